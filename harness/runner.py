@@ -1,0 +1,123 @@
+"""One experiment in, one Result out: `run(cfg) -> Result`.
+
+`run` never raises for a failed experiment: it returns a Result whose `status` says what happened
+(OK, FAILED, OOM) with the error message and traceback, so a sweep records it and goes on. Seeds and
+thread counts are set inside `run`, which touches no other process-wide state, so a sweep can call it
+in a child process per cell.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from harness import env, measure
+from harness.config import Experiment, build
+from harness.errors import QuantbenchError
+
+log = logging.getLogger("quantbench")
+
+STATUSES = ("OK", "FAILED", "OOM", "TIMEOUT", "CRASHED", "KILLED")
+
+
+@dataclass
+class Result:
+    """The record of one run: what the result JSON holds and what MLflow receives."""
+
+    status: str
+    config: dict
+    metrics: dict = field(default_factory=dict)
+    tags: dict = field(default_factory=dict)
+    samples: list = field(default_factory=list)
+    error: str = ""
+    traceback: str = ""
+    run_name: str = ""
+    config_hash: str = ""
+    started: float = 0.0
+    ended: float = 0.0
+    mlflow_run_id: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Result:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def config_hash(config: dict) -> str:
+    """Hash of what determines the measurement (tracking settings and Hydra's own keys excluded)."""
+    relevant = {k: v for k, v in config.items() if k not in ("tracking", "hydra", "sweep")}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_name(exp: Experiment | None, config: dict) -> str:
+    if config.get("tracking", {}).get("run_name"):
+        return config["tracking"]["run_name"]
+    if exp is None:
+        return "invalid-config"
+    return f"{exp.model.name}-{exp.quantizer.name}-{exp.strategy.name}".lower()
+
+
+def execute(exp: Experiment) -> Result:
+    """Run a validated experiment. Raises on failure (use `run` for the never-raising wrapper)."""
+    import torch
+
+    m = exp.measure
+    device = measure.resolve_device(m.device)
+    exp.engine.preflight(exp, device)  # cheap checks: files, libraries, device support
+    threads = measure.set_threads(m.threads)
+    torch.manual_seed(m.seed)
+    outcome = exp.engine.execute(exp, device)
+    tags = {**env.machine_tags(device, threads), **outcome.tags}
+    tags.update({"quantizer.backend": getattr(exp.quantizer, "backend", ""), "quantizer.name": exp.quantizer.name,
+                 "strategy.name": exp.strategy.name, "model.name": exp.model.name, "engine": exp.engine.name,
+                 "measure.cache": m.cache, "measure.compile": str(m.compile).lower(),
+                 "stop_at_eos": str(m.stop_at_eos).lower()})
+    metrics = {k: float(v) for k, v in outcome.metrics.items() if isinstance(v, (int, float))}
+    return Result(status="OK", config=exp.config, metrics=metrics, tags=tags, samples=outcome.samples)
+
+
+def classify(exc: BaseException) -> str:
+    import torch
+
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return "OOM"
+    return "FAILED"
+
+
+def run(cfg: Any) -> Result:
+    """Build, validate and execute one experiment; never raises for a failed run."""
+    from harness.config import to_plain
+
+    started = time.time()
+    config = to_plain(cfg)
+    config.pop("hydra", None)
+    exp = None
+    try:
+        exp = build(config)
+        result = execute(exp)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded FAILED/OOM run
+        status = classify(exc)
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if status == "OOM":
+            message = (f"out of memory: {message}; use a smaller model, batch or context, or a lower-bit "
+                       "quantizer")
+        if not isinstance(exc, QuantbenchError):
+            message = f"{type(exc).__name__}: {message}"
+        log.error("run failed: %s", message)
+        result = Result(status=status, config=config, error=message, traceback=traceback.format_exc(),
+                        tags={"git_commit": env.git_commit()})
+    result.run_name = run_name(exp, config)
+    result.config_hash = config_hash(config)
+    result.tags.update({"config_hash": result.config_hash, "status": result.status})
+    if result.error:
+        result.tags["error"] = result.error[:5000]
+    result.started, result.ended = started, time.time()
+    return result

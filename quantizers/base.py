@@ -1,0 +1,196 @@
+"""The quantizer interface and the audit that keeps quantizers honest.
+
+The audit walks the loaded model and counts what is really stored: bytes of every tensor (tensor
+subclasses such as torchao's and quanto's are unpacked through `__tensor_flatten__`; bitsandbytes keeps
+scales on the parameter), linear layers and how many of them hold quantized weights, and the classes
+that do the matmul (the kernel path). A quantizer whose targeted layers are not all quantized, or whose
+stored bits per weight exceed its `max_bits_per_weight`, fails the run: a silent no-op or fallback is
+the usual way quantization benchmarks lie.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+from harness.errors import QuantbenchError
+
+
+def tensor_bytes(t: Any, seen: set[int] | None = None) -> int:
+    """Bytes really stored by a tensor, including quantization metadata hung on it."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if t is None or id(t) in seen:
+        return 0
+    seen.add(id(t))
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n), seen) for n in names)
+    n = 0
+    if isinstance(t, torch.Tensor):
+        try:
+            n = t.untyped_storage().nbytes() if t.numel() else 0
+            n = min(n, t.numel() * t.element_size()) or t.numel() * t.element_size()
+        except (RuntimeError, NotImplementedError):
+            n = t.numel() * t.element_size()
+    for attr in ("SCB", "CB"):  # bitsandbytes int8: row scales (and the int8 copy before first use)
+        extra = getattr(t, attr, None)
+        if isinstance(extra, torch.Tensor) and extra is not t:
+            n += tensor_bytes(extra, seen)
+    qs = getattr(t, "quant_state", None)  # bitsandbytes 4-bit: absmax (+ nested), code table
+    if qs is not None:
+        for attr in ("absmax", "code"):
+            n += tensor_bytes(getattr(qs, attr, None), seen)
+        nested = getattr(qs, "state2", None)
+        if nested is not None:
+            for attr in ("absmax", "code"):
+                n += tensor_bytes(getattr(nested, attr, None), seen)
+        n += tensor_bytes(getattr(qs, "offset", None), seen)
+    return n
+
+
+def _is_linear(m: Any) -> bool:
+    import torch
+
+    return isinstance(m, torch.nn.Linear) or hasattr(m, "qweight")
+
+
+def _logical_weights(m: Any) -> int:
+    fin = getattr(m, "in_features", None) or getattr(m, "infeatures", None)
+    fout = getattr(m, "out_features", None) or getattr(m, "outfeatures", None)
+    if fin and fout:
+        return int(fin) * int(fout)
+    return int(m.weight.numel())
+
+
+def _is_quantized(m: Any) -> bool:
+    import torch
+
+    if hasattr(m, "qweight") or type(m) is not torch.nn.Linear:
+        return True
+    w = m.weight
+    return type(w) not in (torch.Tensor, torch.nn.Parameter) or not w.dtype.is_floating_point
+
+
+def module_bytes(module: Any, seen: set[int]) -> int:
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        total += tensor_bytes(t, seen)
+    return total
+
+
+def audit_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, Any]:
+    """Count what the model really stores (see module docstring)."""
+    seen: set[int] = set()
+    linear, targeted = [], []
+    for name, m in model.named_modules():
+        if _is_linear(m) and not any(name.startswith(f"{p}.") for p, _ in linear):
+            linear.append((name, m))
+            if not any(name == s or name.endswith("." + s) for s in skip):
+                targeted.append((name, m))
+    target_bytes = sum(module_bytes(m, seen) for _, m in targeted)
+    target_weights = sum(_logical_weights(m) for _, m in targeted)
+    quantized = [(n, m) for n, m in targeted if _is_quantized(m)]
+    weight_bytes = target_bytes + sum(tensor_bytes(t, seen) for t in list(model.parameters()) + list(model.buffers()))
+    # logical parameter count: linear layers by shape (packed storage would miscount), the rest by numel
+    lin_params = {id(p) for _, m in linear for p in m.parameters()}
+    params = sum(_logical_weights(m) for _, m in linear)
+    params += sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in lin_params)
+    params += sum(getattr(m, "bias", None).numel() for _, m in linear if getattr(m, "bias", None) is not None
+                  and type(m.bias).__name__ in ("Tensor", "Parameter"))
+    kernel = sorted({f"{type(m).__module__.split('.')[0]}.{type(m).__name__}"
+                     f"[{type(getattr(m, 'weight', None) if getattr(m, 'weight', None) is not None else getattr(m, 'qweight', None)).__name__}]"
+                     for _, m in targeted})
+    return {
+        "bits_per_weight": 8.0 * target_bytes / target_weights if target_weights else float("nan"),
+        "weight_bytes": float(weight_bytes),
+        "params": float(params),
+        "linear_layers": float(len(targeted)),
+        "quantized_layers": float(len(quantized)),
+        "all_linear_layers": float(len(linear)),
+        "kernel_path": ",".join(kernel),
+    }
+
+
+@dataclass
+class Quantizer:
+    """Base: load through `from_pretrained` (+ kwargs), then `apply`, then audit.
+
+    Subclasses set the class attributes below and override the hooks they need.
+    """
+
+    backend = "none"  # recorded as tag quantizer.backend
+    library = ""  # import name of the library doing the work (version recorded); "" for none
+    pip_name = ""  # what to pip install when the library is missing
+    max_bits_per_weight = 32.0  # audit: stored bits/weight over targeted linears must not exceed this
+    min_bits_per_weight = 0.0  # audit: and not fall below this (catches a dtype baseline that is wrong)
+    quantizes = False  # True for real quantizers: every targeted linear must hold quantized weights
+    skip_modules: tuple[str, ...] = ("lm_head",)  # tied to the embedding; usual quantizers leave it
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    instead = "quantizer=bf16"  # what to suggest when this one cannot run here
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def load_dtype(self, model_dtype: str) -> str:
+        """dtype the float parts are loaded in (default: the model's configured dtype)."""
+        return model_dtype
+
+    def preflight(self, device: str) -> None:
+        """Fail fast (before loading) when the backend is missing or cannot run on this device."""
+        if self.library and importlib.util.find_spec(self.library) is None:
+            raise QuantbenchError(f"quantizer {self.name} needs {self.library!r}, which is not installed; "
+                                  f"pip install {self.pip_name or self.library}, or use {self.instead}")
+        if device.split(":")[0] not in self.devices:
+            raise QuantbenchError(f"quantizer {self.name} ({self.backend}) does not run on {device} "
+                                  f"(supported: {', '.join(self.devices)}); use {self.instead}")
+
+    def identity(self) -> dict:
+        """What distinguishes this quantizer's output (keys quantized-checkpoint caches)."""
+        import dataclasses
+
+        return {"class": type(self).__name__, **dataclasses.asdict(self), "versions": self.versions()}
+
+    def versions(self) -> dict[str, str]:
+        if not self.library:
+            return {}
+        dist = self.pip_name or self.library
+        try:
+            return {dist: importlib.metadata.version(dist)}
+        except importlib.metadata.PackageNotFoundError:
+            return {}
+
+    def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
+        return {}
+
+    def apply(self, model: Any, *, source: Any, tokenizer: Any, device: str, experiment: Any) -> Any:
+        """Quantize an already-loaded model (libraries that work in place). Default: nothing."""
+        return model
+
+    def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
+        from harness.models import load_pretrained
+
+        model = load_pretrained(source, self.load_dtype(source.dtype), device, **self.from_pretrained_kwargs(device))
+        return self.apply(model, source=source, tokenizer=tokenizer, device=device, experiment=experiment)
+
+    def audit(self, model: Any) -> dict[str, Any]:
+        """Audit the stored model and fail on a silent no-op (see module docstring)."""
+        report = audit_model(model, self.skip_modules)
+        bits, n_lin, n_q = report["bits_per_weight"], report["linear_layers"], report["quantized_layers"]
+        if self.quantizes and n_q < n_lin:
+            raise QuantbenchError(f"quantizer {self.name} left {int(n_lin - n_q)} of {int(n_lin)} targeted linear "
+                                  f"layers unquantized (kernel path {report['kernel_path']}); refusing a silent "
+                                  "no-op")
+        if not self.min_bits_per_weight <= bits <= self.max_bits_per_weight:
+            raise QuantbenchError(f"quantizer {self.name} stores {bits:.2f} bits/weight, outside the expected "
+                                  f"{self.min_bits_per_weight:g}..{self.max_bits_per_weight:g}; the backend did not "
+                                  "store what it claims")
+        return report
+
+    def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
+        """Cross-section checks at config time (e.g. GPTQ needs a calibration corpus)."""

@@ -1,0 +1,54 @@
+"""The strategy interface (see strategies/__init__.py for how to add one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harness.measure import Generation
+
+
+@dataclass
+class DecodeOptions:
+    """Per-run decode settings the runner hands to every strategy."""
+
+    device: str = "cpu"
+    max_new_tokens: int = 64
+    eos_token_id: int | None = None
+    pad_token_id: int = 0
+    stop_at_eos: bool = False
+    inject_slowdown: float = 0.0  # test-only (gate power calibration): stretch each timed step
+    cache: str = "dynamic"
+
+
+@dataclass
+class Strategy:
+    """Base class: one prompt per generate call, no setup, no extra metrics."""
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @property
+    def batch_size(self) -> int:
+        return 1
+
+    def batches(self, prompts: list[list[int]]) -> list[list[list[int]]]:
+        """Group the prompt set into generate calls (default: one prompt per call)."""
+        return [[p] for p in prompts]
+
+    def preflight(self) -> None:
+        """Cheap checks before any model loads (e.g. draft tokenizer compatibility)."""
+
+    def setup(self, *, model: Any, tokenizer: Any, opts: DecodeOptions, experiment: Any) -> None:
+        """Load what the strategy needs besides the target (e.g. a draft model)."""
+
+    def generate(self, model: Any, batch: list[list[int]], opts: DecodeOptions) -> Generation:
+        raise NotImplementedError
+
+    def metrics(self, generations: list[Generation]) -> dict[str, float]:
+        """Strategy-specific metrics over the timed generations."""
+        return {"batch_size": float(self.batch_size)}
+
+    def teardown(self) -> None:
+        """Free what setup loaded."""

@@ -1,0 +1,48 @@
+"""Shared fixtures: in-process Hydra compose, a session MLflow store, fast tiny-model overrides."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from harness import quiet_third_party  # noqa: E402
+
+quiet_third_party()
+
+# Small enough for seconds on 2 cores, large enough that every code path runs.
+FAST = [
+    "model=tiny_random",
+    "measure.max_new_tokens=8",
+    "measure.repetitions=2",
+    "measure.warmup=1",
+    "accuracy.max_tokens=300",
+    "accuracy.context_length=128",
+    "accuracy.stride=96",
+]
+
+SHARED_DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+
+
+@pytest.fixture(scope="session")
+def mlflow_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mlflow")
+
+
+@pytest.fixture()
+def results_overrides(mlflow_dir, tmp_path) -> list[str]:
+    """Route a run's JSON to a fresh folder and MLflow to the session's SQLite store."""
+    return [f"tracking.results_dir={tmp_path}", f"tracking.uri=sqlite:///{mlflow_dir}/mlflow.db"]
+
+
+@pytest.fixture()
+def compose():
+    from harness.config import compose as _compose
+
+    return _compose
