@@ -44,9 +44,13 @@ def main(cfg: DictConfig) -> int:
 
     from harness.cli import run_one
 
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        from harness.sweep import run_cell
+
+        return run_cell(cfg)  # isolated child per cell, resume; the sweep goes on after a failed cell
     code = run_one(cfg)
-    if code and HydraConfig.get().mode != RunMode.MULTIRUN:
-        sys.exit(code)  # in a sweep, a failed cell is recorded and the sweep goes on
+    if code:
+        sys.exit(code)
     return code
 
 
@@ -59,4 +63,11 @@ if __name__ == "__main__":
 
     quiet_third_party()
     register_configs()
-    main()
+    from harness import sweep
+
+    try:
+        main()
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM during a sweep: close it KILLED, nothing left RUNNING
+        sweep.abort()
+        sys.exit(getattr(exc, "exit_code", 130))
+    sys.exit(sweep.exit_code())  # set by harness.sweep.SweepCallback: 1 when any cell was not OK

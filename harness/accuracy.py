@@ -30,6 +30,7 @@ import torch
 
 from harness.config import AccuracyConfig
 from harness.errors import QuantbenchError
+from harness.measure import model_grad_mode
 
 BUILTIN_CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
@@ -70,12 +71,18 @@ def corpus_tokens(tokenizer: Any, spec: str, max_tokens: int) -> list[int]:
     return ids
 
 
-def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
-    """(begin, end, n_scored) per window; no token is scored twice."""
+def windows(n_tokens: int, context: int, stride: int, scoring: str = "all") -> list[tuple[int, int, int]]:
+    """(begin, end, n_scored) per window; no token is scored twice.
+
+    `scoring="second_half"` is llama-perplexity's rule (stride == context): of each chunk only the tokens
+    after its first half are scored, so every scored token has at least half a window of context.
+    """
     out, prev_end, begin = [], 0, 0
     while True:
         end = min(begin + context, n_tokens)
         n_new = min(end - prev_end, end - begin - 1)  # a window's first token has no context in it
+        if scoring == "second_half":
+            n_new = (end - begin) - (end - begin) // 2 - 1
         if n_new > 0:
             out.append((begin, end, n_new))
         prev_end = end
@@ -90,7 +97,7 @@ def _tail_logp(top_lp: torch.Tensor) -> torch.Tensor:
     return torch.log1p(-mass.clamp(max=1 - 1e-12))
 
 
-@torch.inference_mode()
+@model_grad_mode  # inference_mode, or no_grad where the quantizer needs it
 def score(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, reference: dict | None = None,
           keep_top_k: int = 0, progress: bool = False) -> dict[str, Any]:
     """Score the corpus. With `keep_top_k` return the reference record; with `reference` compare to it."""
@@ -98,7 +105,7 @@ def score(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, referenc
     nll_sum, n = 0.0, 0
     top_lp, top_idx, argmaxes, kls, agree = [], [], [], [], []
     offset = 0  # index into the reference's per-token arrays
-    spans = windows(len(ids), cfg.context_length, cfg.stride)
+    spans = windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring)
     iterator = spans
     if progress:
         from tqdm import tqdm

@@ -23,6 +23,7 @@ from harness.errors import ConfigError, QuantbenchError, one_of
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def _positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:
@@ -62,8 +63,10 @@ class MeasureConfig(_Validated):
     cv_warn: float = 0.10  # warn when tokens/s coefficient of variation exceeds this
     cache: str = "dynamic"  # KV cache kind: dynamic | static
     compile: bool = False  # torch.compile the decode step
-    compile_mode: str = "default"
-    inject_slowdown: float = 0.0  # test-only: sleep this fraction of each decode step (gate power tests)
+    compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs on CUDA) | max-autotune[-no-cudagraphs]
+    compile_freezing: bool = False  # inductor freezing: weights become constants (prepacked on CPU)
+    compile_fallback: bool = False  # a quantizer that cannot compile runs eager (tag fast_path) instead of failing
+    inject_slowdown: float = 0.0  # test-only: stretch each decode step by this fraction (gate power tests)
 
     _section = "measure"
 
@@ -78,6 +81,10 @@ class MeasureConfig(_Validated):
                     one_of("measure.cache", self.cache, ("dynamic", "static"))):
             if err:
                 p.append(err)
+        if (err := one_of("measure.compile_mode", self.compile_mode, COMPILE_MODES)):
+            p.append(err)
+        if self.compile and self.cache != "static":
+            p.append("measure.compile=true needs fixed decode shapes: add measure.cache=static")
         from harness.prompts import PROMPT_SETS
 
         if (err := one_of("measure.prompts", self.prompts, sorted(PROMPT_SETS))):
@@ -97,6 +104,9 @@ class AccuracyConfig(_Validated):
     reference_dtype: str = "float32"
     kl: bool = True  # KL divergence and top-1 agreement against the reference
     kl_top_k: int = 256  # reference cache keeps its top-k log-probs per token (+ one tail bucket)
+    # which tokens of a window are scored: "all" (each token once, the transformers recipe) or
+    # "second_half" (llama-perplexity's rule: non-overlapping chunks, only the second half of each)
+    scoring: str = "all"
 
     _section = "accuracy"
 
@@ -110,6 +120,11 @@ class AccuracyConfig(_Validated):
             p.append(f"accuracy.stride={self.stride} must be <= accuracy.context_length={self.context_length}")
         if (err := one_of("accuracy.reference_dtype", self.reference_dtype, DTYPES)):
             p.append(err)
+        if (err := one_of("accuracy.scoring", self.scoring, ("all", "second_half"))):
+            p.append(err)
+        elif self.scoring == "second_half" and self.stride != self.context_length:
+            p.append("accuracy.scoring=second_half scores non-overlapping chunks: set accuracy.stride equal to "
+                     "accuracy.context_length")
         return p
 
 

@@ -5,6 +5,7 @@ contract and return the same metric names.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ class TransformersEngine:
         exp.model.preflight()
         exp.quantizer.preflight(device)
         exp.strategy.preflight()
+        from harness import fast_path
+
+        fast_path.preflight(exp, device)  # compile=true with a non-compilable quantizer fails here, before loading
 
     def execute(self, exp: Experiment, device: str) -> Outcome:
         from harness import accuracy as acc
@@ -85,27 +89,39 @@ class TransformersEngine:
         try:
             prompts = encode_prompts(tokenizer, PROMPT_SETS[m.prompts], m.chat_template)
             batches = exp.strategy.batches(prompts)
+            from harness import fast_path
+
+            path = fast_path.preflight(exp, device)  # compiled | eager | eager-fallback
+            tags["fast_path"] = path
+            fast = fast_path.prepare(exp, model, opts, batches, path)  # compiles (untimed: metric compile_s)
             for _ in range(m.warmup):
                 for batch in batches:
                     exp.strategy.generate(model, batch, opts)
             gens = []
-            for _ in range(m.repetitions):
-                for batch in batches:
-                    gens.append(exp.strategy.generate(model, batch, opts))
+            with fast.timing() if fast else contextlib.nullcontext():  # a recompile here fails the run
+                for _ in range(m.repetitions):
+                    for batch in batches:
+                        gens.append(exp.strategy.generate(model, batch, opts))
+            if fast:
+                metrics["compile_s"] = fast.compile_s
+                metrics["compiled_match"] = fast_path.check_match(exp.strategy, model, batches, opts, gens)
             metrics.update(measure.summarize(gens))
             metrics.update(exp.strategy.metrics(gens))
             metrics.update(getattr(exp.strategy, "last_metrics", {}) or {})
         finally:
             exp.strategy.teardown()
         metrics["peak_mem_mb"] = measure.peak_memory_mb(device)
+        from harness import roofline  # after peak memory: the first bandwidth measurement allocates ~1 GB
+
+        roofline.annotate_torch_run(metrics, tags, exp, model, batches, gens, device)
         if metrics.get("decode_tokens_per_s_cv", 0.0) > m.cv_warn:
             tags["warning.spread"] = (f"decode tokens/s CV {metrics['decode_tokens_per_s_cv']:.1%} > "
                                       f"{m.cv_warn:.0%}: noisy machine? raise measure.repetitions")
             log.warning(tags["warning.spread"])
 
         samples = []
-        for batch, gen in zip(batches, gens[: len(batches)]):
-            for prompt, seq in zip(batch, gen.sequences):
+        for batch, gen in zip(batches, gens[: len(batches)], strict=True):
+            for prompt, seq in zip(batch, gen.sequences, strict=True):
                 cut = seq.index(opts.eos_token_id) if opts.eos_token_id in seq else len(seq)
                 samples.append({"prompt": tokenizer.decode(prompt, skip_special_tokens=False),
                                 "output": tokenizer.decode(seq[:cut], skip_special_tokens=True),

@@ -42,6 +42,25 @@ def now() -> float:
     return time.perf_counter()
 
 
+def model_grad_mode(fn):
+    """Run `fn(model, ...)` under torch.inference_mode, or under no_grad when the model asks for it.
+
+    A quantizer sets `model.quantbench_grad_mode = "no_grad"` when its backend breaks under
+    inference_mode (optimum-quanto int4: "Cannot set version_counter for inference tensor").
+    """
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        import torch
+
+        no_grad = getattr(model, "quantbench_grad_mode", "inference") == "no_grad"
+        with torch.no_grad() if no_grad else torch.inference_mode():
+            return fn(model, *args, **kwargs)
+
+    return wrapper
+
+
 @dataclass
 class Generation:
     """What one generate call produced and how long it took.

@@ -12,20 +12,26 @@ ends FINISHED (status OK) or FAILED (any other status, with the message in tag `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import tempfile
 import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from harness.config import TrackingConfig
 from harness.runner import Result
 
 log = logging.getLogger("quantbench")
 MAX_PARAM_CHARS = 6000
+RESULT_KEY_TAG = "result_key"
+PARENT_TAG = "parent_run_id"
+SQLITE_LOCK_WAIT_S = 300.0  # other writers' turns; a wedged holder fails the log, not the run
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:
@@ -56,13 +62,18 @@ def flatten(data: dict, prefix: str = "") -> dict[str, str]:
 
 
 def retry(fn: Callable[[], Any], tcfg: TrackingConfig, what: str) -> Any:
-    """Call fn with bounded exponential backoff + jitter (total wait stays within seconds)."""
+    """Call fn with bounded exponential backoff + jitter.
+
+    At most `tcfg.retries` retries, and none once `tcfg.timeout_s` has passed since the first attempt:
+    a refused connection gives up after ~2 s of backoff, a hung server after one request timeout.
+    """
     delay = 0.2
+    start = time.monotonic()
     for attempt in range(tcfg.retries + 1):
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - any tracking failure is retried, then reported
-            if attempt == tcfg.retries:
+            if attempt == tcfg.retries or time.monotonic() - start >= tcfg.timeout_s:
                 raise
             log.warning("%s failed (%s: %s); retry %d/%d", what, type(exc).__name__, str(exc)[:200],
                         attempt + 1, tcfg.retries)
@@ -70,12 +81,73 @@ def retry(fn: Callable[[], Any], tcfg: TrackingConfig, what: str) -> Any:
             delay = min(delay * 2, 2.0)
 
 
+@contextlib.contextmanager
+def bounded_http(tcfg: TrackingConfig) -> Iterator[None]:
+    """Turn off MLflow's own HTTP retries for the duration of a logging call; `retry` above does it.
+
+    MLflow's defaults (7 retries, backoff factor 2, 120 s timeout) make one call to a down server take
+    minutes, multiplied by every retry of ours. The variables are read per request, so setting them
+    around our calls (and restoring them after) bounds the wait without changing other MLflow users.
+    """
+    wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+              "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
+              "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(round(tcfg.timeout_s))))}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def store_lock(tcfg: TrackingConfig) -> Iterator[None]:
+    """Serialize writers of one SQLite store across processes (no-op for servers).
+
+    Concurrent first writers into a fresh SQLite file race on MLflow's schema migration ("table
+    _alembic_tmp_runs already exists", "database is locked") and can leave the store half-migrated;
+    later writers still hit "database is locked". A file lock beside the database makes the writers
+    take turns; waiting for it is progress (another run being logged), so its wait is generous.
+    """
+    uri = tcfg.resolved_uri()
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    from filelock import FileLock
+
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(db) + ".lock", timeout=SQLITE_LOCK_WAIT_S):
+        yield
+
+
+class _BoundedClient:
+    """An MlflowClient whose every call runs under `bounded_http` (for callers outside log_to_mlflow,
+    e.g. the sweep's parent run): without it one call to a down server takes minutes."""
+
+    def __init__(self, inner: Any, tcfg: TrackingConfig):
+        self._inner, self._tcfg = inner, tcfg
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with bounded_http(self._tcfg):
+                return attr(*args, **kwargs)
+
+        return call
+
+
 def client(tcfg: TrackingConfig):
     from mlflow.tracking import MlflowClient
 
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(tcfg.timeout_s)))
-    return MlflowClient(tracking_uri=tcfg.resolved_uri())
+    return _BoundedClient(MlflowClient(tracking_uri=tcfg.resolved_uri()), tcfg)
 
 
 def experiment_id(c, tcfg: TrackingConfig, name: str | None = None) -> str:
@@ -95,12 +167,39 @@ def experiment_id(c, tcfg: TrackingConfig, name: str | None = None) -> str:
         return exp.experiment_id
 
 
+def result_key(result: Result) -> str:
+    """A key unique to one result, tagged on its MLflow run so a re-send can find what already arrived."""
+    key = result.tags.get(RESULT_KEY_TAG)
+    if not key:
+        key = f"{result.config_hash[:8]}-{int(result.started * 1000)}-{uuid.uuid4().hex[:8]}"
+        result.tags[RESULT_KEY_TAG] = key
+    return key
+
+
 def log_to_mlflow(result: Result, tcfg: TrackingConfig, parent_run_id: str | None = None,
                   artifacts: dict[str, str] | None = None) -> str:
-    """Create one MLflow run holding the result; returns its run id."""
-    from mlflow.entities import Metric, Param, RunTag
+    """Create one MLflow run holding the result; returns its run id.
 
-    c = client(tcfg)
+    Bounded (see `retry`, `bounded_http`), serialized per SQLite store (`store_lock`). A run that fails
+    half-way is deleted (best effort) so a later `upload` does not leave a duplicate beside it.
+    """
+    result_key(result)
+    with bounded_http(tcfg), store_lock(tcfg):
+        c = client(tcfg)
+        run_id_box: list[str] = []
+        try:
+            return _log(c, result, tcfg, parent_run_id, artifacts, on_created=run_id_box.append)
+        except Exception:
+            for rid in run_id_box:
+                with contextlib.suppress(Exception):  # server down: `upload` finds it RUNNING and replaces it
+                    c.delete_run(rid)
+            raise
+
+
+def _log(c, result: Result, tcfg: TrackingConfig, parent_run_id: str | None, artifacts: dict[str, str] | None,
+         on_created: Callable[[str], None]) -> str:
+    from mlflow.entities import Metric, Param
+
     exp_id = retry(lambda: experiment_id(c, tcfg), tcfg, "mlflow experiment")
     tags = {k: str(v)[:5000] for k, v in result.tags.items()}
     tags["mlflow.runName"] = result.run_name
@@ -109,6 +208,7 @@ def log_to_mlflow(result: Result, tcfg: TrackingConfig, parent_run_id: str | Non
     run = retry(lambda: c.create_run(exp_id, run_name=result.run_name, tags=tags,
                                      start_time=int(result.started * 1000)), tcfg, "mlflow create_run")
     run_id = run.info.run_id
+    on_created(run_id)
     now_ms = int(time.time() * 1000)
     params = [Param(k, v) for k, v in flatten(result.config).items()]
     metrics = [Metric(k, float(v), now_ms, 0) for k, v in result.metrics.items()]
@@ -139,6 +239,9 @@ def record(result: Result, tcfg: TrackingConfig, path: Path | None = None, paren
            artifacts: dict[str, str] | None = None) -> Path:
     """Write the result JSON, then log to MLflow; a tracking failure is reported, never fatal."""
     path = path or json_path(result, tcfg)
+    result_key(result)
+    if parent_run_id:
+        result.tags[PARENT_TAG] = parent_run_id  # so a later `upload` nests it under the same sweep run
     write_json_atomic(path, result.to_dict())
     if not tcfg.enabled:
         return path
@@ -147,13 +250,40 @@ def record(result: Result, tcfg: TrackingConfig, path: Path | None = None, paren
     except Exception as exc:  # noqa: BLE001 - the JSON holds the numbers; `upload` sends them later
         result.tags["tracking_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         log.error("MLflow logging failed (%s); result kept in %s; re-send with: python -m harness.tracking "
-                  "upload %s", result.tags["tracking_error"], path, path.parent)
+                  "upload %s --uri %s", result.tags["tracking_error"], path, path.parent, tcfg.resolved_uri())
     write_json_atomic(path, result.to_dict())
     return path
 
 
-def upload(folder: Path, tcfg: TrackingConfig) -> tuple[int, int]:
-    """Send result JSONs that never reached MLflow; returns (uploaded, failed)."""
+def _already_sent(result: Result, tcfg: TrackingConfig) -> str:
+    """Run id of a complete MLflow run for this result (a re-send whose JSON update was lost), else ''.
+
+    A RUNNING one is a half-logged attempt: it is deleted and the result sent again.
+    """
+    key = result.tags.get(RESULT_KEY_TAG)
+    if not key:
+        return ""
+    with bounded_http(tcfg), store_lock(tcfg):
+        c = client(tcfg)
+        exp = retry(lambda: c.get_experiment_by_name(tcfg.experiment), tcfg, "mlflow experiment")
+        if exp is None:
+            return ""
+        runs = retry(lambda: c.search_runs([exp.experiment_id], f"tags.{RESULT_KEY_TAG} = '{key}'"), tcfg,
+                     "mlflow search_runs")
+        found = ""
+        for run in runs:
+            if run.info.status == "RUNNING":
+                retry(lambda run=run: c.delete_run(run.info.run_id), tcfg, "mlflow delete_run")
+            else:
+                found = found or run.info.run_id
+        return found
+
+
+def upload(folder: Path, tcfg: TrackingConfig | None = None) -> tuple[int, int]:
+    """Send result JSONs that never reached MLflow; returns (uploaded, failed).
+
+    `tcfg` None: each JSON goes where its own run meant to send it (its `tracking` config section).
+    """
     done = failed = 0
     for path in sorted(Path(folder).rglob("*.json")):
         try:
@@ -163,15 +293,23 @@ def upload(folder: Path, tcfg: TrackingConfig) -> tuple[int, int]:
         if not isinstance(data, dict) or "status" not in data or "config" not in data or data.get("mlflow_run_id"):
             continue
         result = Result.from_dict(data)
+        target = tcfg or _own_tracking(result)
         try:
-            result.mlflow_run_id = log_to_mlflow(result, tcfg)
             result.tags.pop("tracking_error", None)
+            result.mlflow_run_id = _already_sent(result, target) or log_to_mlflow(
+                result, target, result.tags.get(PARENT_TAG) or None)
             write_json_atomic(path, result.to_dict())
             done += 1
         except Exception as exc:  # noqa: BLE001
-            log.error("upload of %s failed: %s", path, exc)
+            log.error("upload of %s failed: %s: %s", path, type(exc).__name__, str(exc)[:300])
             failed += 1
     return done, failed
+
+
+def _own_tracking(result: Result) -> TrackingConfig:
+    own = result.config.get("tracking") or {}
+    known = {k: v for k, v in own.items() if k in TrackingConfig.__dataclass_fields__}
+    return TrackingConfig(**{**known, "enabled": True})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,11 +320,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("upload", help="upload result JSONs without an mlflow_run_id")
     up.add_argument("folder", nargs="?", default="results")
-    up.add_argument("--uri", default="", help="MLflow tracking URI (default: sqlite store under results/)")
-    up.add_argument("--experiment", default="quantbench")
+    up.add_argument("--uri", default=None,
+                    help="MLflow tracking URI (default: the one each result was meant for, from its config)")
+    up.add_argument("--experiment", default=None, help="MLflow experiment (default: each result's own)")
+    up.add_argument("--retries", type=int, default=3)
+    up.add_argument("--timeout-s", type=float, default=10.0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    done, failed = upload(Path(args.folder), TrackingConfig(uri=args.uri, experiment=args.experiment))
+    tcfg = None
+    if args.uri is not None or args.experiment is not None:
+        tcfg = TrackingConfig(uri=args.uri or "", experiment=args.experiment or "quantbench",
+                              retries=args.retries, timeout_s=args.timeout_s)
+    done, failed = upload(Path(args.folder), tcfg)
     print(f"uploaded {done}, failed {failed}")
     return 1 if failed else 0
 

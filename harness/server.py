@@ -1,0 +1,259 @@
+"""A shared MLflow tracking server on 127.0.0.1, backed by PostgreSQL, with a local artifact root.
+
+    python -m harness.server --postgres-dir results/postgres            # a local PostgreSQL too
+    python -m harness.server --backend-store-uri postgresql://user:pw@dbhost:5432/mlflow
+
+then point runs at it: `python run.py ... tracking.uri=http://127.0.0.1:5000`. The server proxies
+artifacts (--serve-artifacts), so clients need no access to the artifact folder.
+
+Why PostgreSQL rather than the default SQLite file: many sweeps on many machines write at once, and a
+database server handles concurrent writers (SQLite serializes them behind one lock, and its file lock
+is unreliable on network filesystems). `--postgres-dir` starts a throwaway single-user cluster (trust
+authentication on 127.0.0.1 only) for one box or for tests; a team uses a managed PostgreSQL.
+
+PostgreSQL refuses to run as root: as root, the cluster runs as the `postgres` system user that
+Debian's package creates (`runuser`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import QuantbenchError
+
+PG_USER = "quantbench"  # the cluster's superuser (a role name, not a system user)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pg_bin(name: str) -> str:
+    """A PostgreSQL server binary: Debian keeps them in /usr/lib/postgresql/<version>/bin, off PATH."""
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), key=lambda p: int(p.split("/")[4])
+                   if p.split("/")[4].isdigit() else 0)
+    path = found[-1] if found else shutil.which(name)
+    if not path:
+        raise QuantbenchError(f"PostgreSQL's {name} not found; install it (apt-get install postgresql, or "
+                              "scripts/setup.sh --all) or pass --backend-store-uri of an existing server")
+    return path
+
+
+def _run_as() -> str | None:
+    """The system user the cluster runs as: None (ourselves) unless we are root."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        raise QuantbenchError("PostgreSQL refuses to run as root and there is no 'postgres' user; create "
+                              "one (useradd --system postgres) or run as a normal user") from None
+    return "postgres"
+
+
+def _cmd(args: list[str], user: str | None) -> list[str]:
+    return ["runuser", "-u", user, "--", *args] if user else args
+
+
+@dataclass
+class Postgres:
+    """A local PostgreSQL cluster in `data_dir`, listening on 127.0.0.1:`port` only."""
+
+    data_dir: Path
+    port: int
+    user: str | None = None  # system user it runs as (None: this process's user)
+
+    def uri(self, database: str = "mlflow") -> str:
+        return f"postgresql+psycopg2://{PG_USER}@127.0.0.1:{self.port}/{database}"
+
+    def start(self, database: str = "mlflow") -> Postgres:
+        self.user = _run_as()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.user:
+            pw = pwd.getpwnam(self.user)
+            os.chown(self.data_dir, pw.pw_uid, pw.pw_gid)
+        os.chmod(self.data_dir, 0o700)
+        if not (self.data_dir / "PG_VERSION").exists():
+            self._check([pg_bin("initdb"), "-D", str(self.data_dir), "-U", PG_USER, "--auth=trust",
+                         "-E", "UTF8", "--no-instructions"], "initdb")
+        # listen on loopback only; the socket lives in the data dir (no /var/run/postgresql needed)
+        opts = f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.data_dir}"
+        self._check([pg_bin("pg_ctl"), "-D", str(self.data_dir), "-l", str(self.data_dir / "server.log"),
+                     "-o", opts, "-w", "-t", "60", "start"], "pg_ctl start")
+        exists = subprocess.run([pg_bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", PG_USER,
+                                 "-d", "postgres", "-tAc", f"SELECT 1 FROM pg_database WHERE datname='{database}'"],
+                                capture_output=True, text=True, check=False)
+        if exists.stdout.strip() != "1":
+            self._check([pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", PG_USER, database],
+                        "createdb", as_user=False)
+        return self
+
+    def stop(self) -> None:
+        if (self.data_dir / "postmaster.pid").exists():
+            subprocess.run(_cmd([pg_bin("pg_ctl"), "-D", str(self.data_dir), "-m", "fast", "-w", "-t", "30",
+                                 "stop"], self.user), capture_output=True, check=False)
+
+    def _check(self, args: list[str], what: str, as_user: bool = True) -> None:
+        proc = subprocess.run(_cmd(args, self.user if as_user else None), capture_output=True, text=True,
+                              check=False)
+        if proc.returncode != 0:
+            log = self.data_dir / "server.log"
+            tail = log.read_text()[-1500:] if log.exists() and os.access(log, os.R_OK) else ""
+            raise QuantbenchError(f"{what} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-800:]}"
+                                  + (f"\n{tail}" if tail else ""))
+
+
+def backend_uri_for(uri: str) -> str:
+    """SQLAlchemy 2.1 maps plain postgresql:// to psycopg 3; the pinned driver is psycopg2(-binary)."""
+    if uri.startswith("postgresql://"):
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            return "postgresql+psycopg2://" + uri[len("postgresql://"):]
+    return uri
+
+
+def mlflow_command(backend_uri: str, artifacts_dir: Path, port: int, workers: int = 2) -> list[str]:
+    """The `mlflow server` command line: loopback only, artifacts proxied from a local folder."""
+    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_uri_for(backend_uri),
+            "--artifacts-destination", str(Path(artifacts_dir).resolve()), "--serve-artifacts",
+            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text()[-2000:] if log_path and log_path.exists() else ""
+            raise QuantbenchError(f"mlflow server exited with code {proc.returncode} before answering\n{tail}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise QuantbenchError(f"mlflow server at {url} did not answer /health within {timeout_s:.0f}s")
+
+
+@dataclass
+class MlflowServer:
+    backend_uri: str
+    artifacts_dir: Path
+    port: int
+    log_path: Path
+    workers: int = 2
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> MlflowServer:
+        self.artifacts_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            # own session: stop() ends the server and all its workers by process group, nothing else
+            # job execution (GenAI evaluation jobs) spawns ~6 extra worker processes; tracking needs none
+            env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+            self.proc = subprocess.Popen(mlflow_command(self.backend_uri, self.artifacts_dir, self.port,
+                                                        self.workers),
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            wait_healthy(self.url, self.proc, timeout_s, self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(8)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
+@contextlib.contextmanager
+def tracking_server(artifacts_dir: Path, log_path: Path, port: int = 0, backend_uri: str = "",
+                    postgres_dir: Path | None = None, pg_port: int = 0) -> Iterator[MlflowServer]:
+    """Start (PostgreSQL and) the MLflow server; stop everything on exit, also on failure."""
+    pg = None
+    server = None
+    try:
+        if postgres_dir is not None:
+            pg = Postgres(Path(postgres_dir), pg_port or free_port()).start()
+            backend_uri = pg.uri()
+        if not backend_uri:
+            raise QuantbenchError("give --backend-store-uri postgresql://... or --postgres-dir DIR")
+        server = MlflowServer(backend_uri, Path(artifacts_dir), port or free_port(), Path(log_path)).start()
+        yield server
+    finally:
+        if server is not None:
+            server.stop()
+        if pg is not None:
+            pg.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.server", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend-store-uri", default="", help="postgresql://user[:password]@host:port/db")
+    ap.add_argument("--postgres-dir", default=None,
+                    help="start a local PostgreSQL with its data here (created if empty) and use it")
+    ap.add_argument("--postgres-port", type=int, default=5432)
+    ap.add_argument("--artifacts-dir", default="results/mlartifacts-server")
+    ap.add_argument("--port", type=int, default=5000)
+    ap.add_argument("--log", default="results/mlflow-server.log")
+    args = ap.parse_args(argv)
+    if args.backend_store_uri and args.postgres_dir:
+        print("error: give either --backend-store-uri or --postgres-dir, not both", file=sys.stderr)
+        return 2
+    if args.backend_store_uri and not args.backend_store_uri.startswith(("postgresql", "mysql", "sqlite")):
+        print(f"error: --backend-store-uri {args.backend_store_uri!r} is not a database URI "
+              "(postgresql://user@host:port/db)", file=sys.stderr)
+        return 2
+    def on_term(signum, frame):  # SIGTERM stops like Ctrl-C: the finally blocks stop server and database
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        with tracking_server(Path(args.artifacts_dir), Path(args.log), args.port, args.backend_store_uri,
+                             Path(args.postgres_dir) if args.postgres_dir else None, args.postgres_port) as srv:
+            print(f"MLflow server ready: {srv.url}  (backend {srv.backend_uri}, artifacts {srv.artifacts_dir}, "
+                  f"log {srv.log_path})\nuse it with: python run.py ... tracking.uri={srv.url}\nCtrl-C stops it.",
+                  flush=True)
+            while srv.proc is not None and srv.proc.poll() is None:
+                time.sleep(1.0)
+            print(f"error: mlflow server exited ({srv.proc.returncode if srv.proc else '?'}); see {args.log}",
+                  file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        return 0
+    except QuantbenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""bitsandbytes through transformers' `BitsAndBytesConfig`: LLM.int8 (`bnb_int8`) and 4-bit NF4/FP4
+(`bnb_nf4`, `bnb_fp4`). bitsandbytes 0.50 has a real CPU backend for all three, so they run here.
+
+Stored bits per weight: int8 keeps one fp32 scale per output row (8 + 32/in_features); 4-bit keeps one
+fp32 absmax per block of 64 weights (4 + 32/64 = 4.5). Bounds below allow that plus a margin of 0.5 bit
+(e.g. the small layers of a tiny model have shorter rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harness.errors import ConfigError, one_of
+from quantizers.base import Quantizer
+from quantizers.common import TimedLoad
+
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class BnbInt8(TimedLoad, Quantizer):
+    """LLM.int8: int8 weights with per-row scales, outlier activation columns in 16-bit."""
+
+    threshold: float = 6.0  # outlier threshold of LLM.int8 (transformers' default)
+
+    backend = "bitsandbytes.llm_int8"
+    library = "bitsandbytes"
+    quantizes = True
+    min_bits_per_weight = 8.0
+    max_bits_per_weight = 9.0
+    instead = "quantizer=torchao_int8"
+
+    @property
+    def name(self) -> str:
+        return "bnb_int8"
+
+    def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
+        from transformers import BitsAndBytesConfig
+
+        return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=self.threshold)}
+
+
+@dataclass
+class Bnb4bit(TimedLoad, Quantizer):
+    """4-bit NF4 or FP4 weights (blocks of 64 with an fp32 absmax), matmul in `compute_dtype`."""
+
+    quant_type: str = "nf4"  # nf4 | fp4
+    compute_dtype: str = "bfloat16"  # bf16 is the fast CPU dtype here
+    double_quant: bool = False  # True quantizes the absmax too (~4.13 bits instead of 4.5)
+
+    library = "bitsandbytes"
+    quantizes = True
+    min_bits_per_weight = 4.0
+    max_bits_per_weight = 5.0
+    instead = "quantizer=quanto_int4"
+
+    def __post_init__(self) -> None:
+        errs = [e for e in (one_of("quantizer.quant_type", self.quant_type, ("nf4", "fp4")),
+                            one_of("quantizer.compute_dtype", self.compute_dtype, COMPUTE_DTYPES)) if e]
+        if errs:
+            raise ConfigError(errs)
+
+    @property
+    def name(self) -> str:
+        return f"bnb_{self.quant_type}"
+
+    @property
+    def backend(self) -> str:  # type: ignore[override]
+        return f"bitsandbytes.{self.quant_type}"
+
+    def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
+        from transformers import BitsAndBytesConfig
+
+        from harness.models import torch_dtype
+
+        return {"quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=self.quant_type,
+            bnb_4bit_compute_dtype=torch_dtype(self.compute_dtype),
+            bnb_4bit_use_double_quant=self.double_quant)}

@@ -1,0 +1,50 @@
+"""optimum-quanto through transformers' `QuantoConfig`: int8 (`quanto_int8`) and int4 (`quanto_int4`)
+weights, per-row (int8) or per-group-of-64 (int4) scales.
+
+quanto's int4 tensors break under `torch.inference_mode()` ("Cannot set version_counter for inference
+tensor"), so `quanto_int4` asks the decode loop and the scorer for `torch.no_grad()` instead
+(`grad_mode`, honoured by `harness.measure.model_grad_mode`). Both modes skip autograd; inference_mode
+only adds version-counter savings, so timings stay comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harness.errors import ConfigError, one_of
+from quantizers.base import Quantizer
+from quantizers.common import TimedLoad
+
+_BOUNDS = {"int8": (8.0, 9.0), "int4": (4.0, 5.0)}  # int4: 4 + scale and shift per group of 64 (~4.5)
+
+
+@dataclass
+class Quanto(TimedLoad, Quantizer):
+    """optimum-quanto weight quantization (activations stay float)."""
+
+    weights: str = "int8"  # int8 | int4
+
+    library = "optimum.quanto"
+    pip_name = "optimum-quanto"
+    quantizes = True
+    instead = "quantizer=torchao_int8"
+
+    def __post_init__(self) -> None:
+        if (err := one_of("quantizer.weights", self.weights, tuple(_BOUNDS))):
+            raise ConfigError([err])
+        self.min_bits_per_weight, self.max_bits_per_weight = _BOUNDS[self.weights]
+        self.grad_mode = "no_grad" if self.weights == "int4" else "inference"
+
+    @property
+    def name(self) -> str:
+        return f"quanto_{self.weights}"
+
+    @property
+    def backend(self) -> str:  # type: ignore[override]
+        return f"quanto.{self.weights}"
+
+    def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
+        from transformers import QuantoConfig
+
+        return {"quantization_config": QuantoConfig(weights=self.weights)}

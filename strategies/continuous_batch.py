@@ -1,0 +1,131 @@
+"""Continuous batching through transformers' own scheduler (`generate_batch`, paged KV cache).
+
+A stream of `requests` prompts of mixed lengths (the prompt set cycled) is handed to
+`model.generate_batch`, which schedules them into shared forward passes and retires each request when
+it finishes. transformers 5.24 runs it on CPU with `attn_implementation="paged|eager"`; the model is
+switched to it in `setup` through the public `set_attn_implementation` and switched back in `teardown`,
+so the loader needs no special case. Only generated tokens are counted (the library returns them per
+request; EOS ends a request only with measure.stop_at_eos=true).
+
+The paged cache is sized from the requests (`num_blocks=null`): transformers' own sizing assumes a GPU
+and allocates far too much on CPU, which made a 3-request call take ~45 s instead of ~2 s here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.errors import ConfigError, QuantbenchError
+from harness.measure import Generation, now, percentile, sync
+from strategies.base import DecodeOptions, Strategy
+
+PAGED = "paged|eager"  # "sdpa_paged" is rejected by transformers 5.24
+
+
+@dataclass
+class ContinuousBatch(Strategy):
+    """A stream of mixed-length requests through transformers' continuous batching."""
+
+    requests: int = 16  # requests per stream (the prompt set is cycled)
+    max_requests_per_batch: int = 16  # how many requests may share one forward pass
+    page_size: int = 32  # tokens per KV page
+    num_blocks: int | None = None  # KV pages; null = enough for every request at once
+    max_batch_tokens: int = 512  # tokens per forward pass (prefill chunks + decode tokens)
+    _original_attn: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        p = []
+        for name in ("requests", "max_requests_per_batch", "page_size", "max_batch_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                p.append(f"strategy.{name}={v!r} must be an integer >= 1")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            p.append(f"strategy.num_blocks={self.num_blocks!r} must be null (auto) or an integer >= 1")
+        if p:
+            raise ConfigError(p)
+
+    @property
+    def batch_size(self) -> int:
+        return self.max_requests_per_batch
+
+    def preflight(self) -> None:
+        try:
+            from transformers import ContinuousBatchingConfig  # noqa: F401
+        except ImportError as exc:
+            raise QuantbenchError("strategy=continuous_batch needs transformers >= 5 (generate_batch with paged "
+                                  "attention); install the pinned transformers==5.24.0") from exc
+
+    def batches(self, prompts: list[list[int]]) -> list[list[list[int]]]:
+        return [[prompts[i % len(prompts)] for i in range(self.requests)]] if prompts else []
+
+    def setup(self, *, model: Any, tokenizer: Any, opts: DecodeOptions, experiment: Any) -> None:
+        if not hasattr(model, "generate_batch"):
+            raise QuantbenchError(f"{type(model).__name__} has no generate_batch; strategy=continuous_batch needs a "
+                                  "transformers model (use strategy=static_batch)")
+        self._original_attn = model.config._attn_implementation
+        if self._original_attn != PAGED:
+            model.set_attn_implementation(PAGED)
+        self._model = model
+
+    def teardown(self) -> None:
+        model = getattr(self, "_model", None)
+        if model is not None and self._original_attn not in (None, PAGED):
+            model.set_attn_implementation(self._original_attn)
+        self._model = None
+
+    def generate(self, model: Any, batch: list[list[int]], opts: DecodeOptions) -> Generation:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        pages = self.num_blocks or sum(-(-(len(p) + opts.max_new_tokens) // self.page_size) + 1 for p in batch)
+        cb = ContinuousBatchingConfig(page_size=self.page_size, num_blocks=pages,
+                                      max_batch_tokens=self.max_batch_tokens,
+                                      max_requests_per_batch=self.max_requests_per_batch, auto_switch_to_flash=False)
+        gen_cfg = GenerationConfig(max_new_tokens=opts.max_new_tokens, do_sample=False,
+                                   eos_token_id=opts.eos_token_id if opts.stop_at_eos else -1,
+                                   pad_token_id=opts.pad_token_id)
+        sync(opts.device)
+        t0 = now()
+        out = model.generate_batch(inputs=batch, generation_config=gen_cfg, continuous_batching_config=cb,
+                                   record_timestamps=True, progress_bar=False, warmup=False)
+        sync(opts.device)
+        wall = now() - t0
+        results = sorted(out.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
+        if len(results) != len(batch) or any(r.error for r in results):
+            errors = [r.error for r in results if r.error]
+            raise QuantbenchError(f"continuous batching returned {len(results)} of {len(batch)} requests"
+                                  + (f"; first error: {errors[0]}" if errors else ""))
+        sequences = [list(r.generated_tokens) for r in results]
+        stamps = sorted(t for r in results for t in (r.timestamps or []))
+        first = [r.timestamps[0] - r.created_time for r in results if r.timestamps]
+        latency = [r.timestamps[-1] - r.created_time for r in results if r.timestamps]
+        itl = [b - a for r in results for a, b in zip(r.timestamps or [], (r.timestamps or [])[1:], strict=False)]
+        created = min((r.created_time for r in results), default=t0)
+        # timestamps are perf_counter readings per emitted token: the gaps between consecutive emissions
+        # cover the decode window exactly, so decode tokens/s = tokens after each request's first / window
+        step_s = [b - a for a, b in zip(stamps, stamps[1:], strict=False)] or [max(wall, 1e-9)]
+        ttft = (stamps[0] - t0) if stamps else wall
+        return Generation(sequences=sequences, prompt_tokens=sum(len(p) for p in batch), ttft_s=ttft,
+                          step_s=step_s, decode_tokens=sum(len(s) for s in sequences) - len(sequences),
+                          stats={"wall_s": wall, "request_latency_s": latency, "request_ttft_s": first,
+                                 "request_itl_s": itl, "stream_s": (stamps[-1] - created) if stamps else wall})
+
+    def metrics(self, generations: list[Generation]) -> dict[str, float]:
+        wall = sum(g.stats["wall_s"] for g in generations)
+        lat = [x for g in generations for x in g.stats["request_latency_s"]]
+        ttft = [x for g in generations for x in g.stats["request_ttft_s"]]
+        stream = sum(g.stats["stream_s"] for g in generations)
+        ms = 1000.0
+        return {
+            "batch_size": float(self.max_requests_per_batch),
+            "requests": float(self.requests),
+            # whole generate_batch calls, scheduler start and stop included
+            "aggregate_tokens_per_s": sum(g.generated_tokens for g in generations) / wall if wall else float("nan"),
+            # from the first request's arrival to the last token: excludes the scheduler's start/stop
+            "stream_tokens_per_s": sum(g.generated_tokens for g in generations) / stream if stream else float("nan"),
+            "request_itl_ms_p50": percentile([x for g in generations for x in g.stats["request_itl_s"]], 50) * ms,
+            "request_latency_ms_p50": percentile(lat, 50) * ms,
+            "request_latency_ms_p90": percentile(lat, 90) * ms,
+            "request_ttft_ms_p50": percentile(ttft, 50) * ms,
+            "request_ttft_ms_p90": percentile(ttft, 90) * ms,
+        }

@@ -1,0 +1,314 @@
+"""Speculative decoding, batch 1, greedy verification, with acceptance accounting.
+
+A cheap drafter proposes `num_draft_tokens` tokens; the target checks them all in one forward. Two
+drafters: `model` (a second model, e.g. a quantized copy of the target, given by its own model and
+quantizer configs) and `prompt_lookup` (copy the continuation of the latest earlier n-gram match in
+prompt + output; no model). transformers' assisted generation hides acceptance counts and per-step
+times, so this loop is written out.
+
+KV caches: the target's cache always holds every token but the newest (which is fed next). Rejected
+draft tokens leave stale entries in both caches; they are cropped before the next step, so no step
+ever attends to a token that is not in the output. Batch 1 has no padding: the attention mask is all
+ones and position ids continue from the cache length.
+
+Every generate call also runs plain greedy on the same prompt with the same target: `greedy_match`
+must be 1 (a mismatch fails the run) and `speedup_vs_greedy` compares the two timings side by side.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.errors import ConfigError, QuantbenchError, one_of
+from harness.measure import Generation, now, percentile, resolve_device, sync
+from strategies.base import DecodeOptions, Strategy
+from strategies.decode import greedy_generate
+
+DRAFTS = ("model", "prompt_lookup")
+
+
+def run_forward(model: Any, ids: list[int], start: int, cache: Any, device: str) -> torch.Tensor:
+    """Feed `ids` at positions start.. on top of a cache holding `start` tokens; logits for every id."""
+    n = len(ids)
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    pos = torch.arange(start, start + n, device=device)
+    mask = torch.ones((1, start + n), dtype=torch.long, device=device)
+    out = model(input_ids=x, attention_mask=mask, position_ids=pos[None], cache=cache, cache_position=pos,
+                use_cache=True, logits_to_keep=n)
+    return out.logits[0]
+
+
+def crop_to(cache: Any, have: int, keep: int) -> None:
+    """Drop the newest `have - keep` entries (transformers 5 `crop` takes a negative count)."""
+    if have > keep:
+        cache.crop(keep - have)
+
+
+class ModelDrafter:
+    """Greedy proposals from a draft model with its own KV cache (rolled back like the target's)."""
+
+    def __init__(self, model: Any, device: str):
+        self.model, self.device = model, device
+        self.cache: Any = None
+        self.n = 0  # tokens held in the draft cache
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache, self.n = DynamicCache(config=self.model.config), 0
+
+    def propose(self, seq: list[int], k: int) -> list[int]:
+        out: list[int] = []
+        ids = seq[self.n:]  # the first call prefills the whole prompt; later ones feed 1-2 tokens
+        for _ in range(k):
+            logits = run_forward(self.model, ids, self.n, self.cache, self.device)
+            self.n += len(ids)
+            ids = [int(logits[-1].argmax())]
+            out.append(ids[0])
+        return out  # the cache now holds seq + out[:-1]
+
+    def rollback(self, keep: int) -> None:
+        crop_to(self.cache, self.n, keep)
+        self.n = min(self.n, keep)
+
+
+@dataclass
+class LookupDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens, propose what followed."""
+
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, seq: list[int], k: int) -> list[int]:
+        for n in range(min(self.ngram_max, len(seq) - 1), self.ngram_min - 1, -1):
+            tail = seq[-n:]
+            for j in range(len(seq) - n - 1, -1, -1):
+                if seq[j: j + n] == tail:
+                    return seq[j + n: j + n + k]
+        return []
+
+    def rollback(self, keep: int) -> None:
+        pass
+
+
+@torch.inference_mode()
+def speculative_generate(target: Any, prompt: list[int], opts: DecodeOptions, drafter: Any, k: int) -> Generation:
+    """Greedy speculative decoding of one prompt; `Generation.stats` holds the acceptance counts."""
+    from transformers import DynamicCache
+
+    device = opts.device
+    cache = DynamicCache(config=target.config)
+    drafter.reset()
+    sync(device)
+    t0 = now()
+    first = int(run_forward(target, prompt, 0, cache, device)[-1].argmax())
+    sync(device)
+    ttft = now() - t0
+
+    seq = [*prompt, first]
+    gen = [first]
+    done = opts.stop_at_eos and first == opts.eos_token_id
+    steps: list[tuple[int, int]] = []  # (drafted, accepted) per verification step
+    step_s: list[float] = []
+    draft_s = verify_s = 0.0
+    while not done and len(gen) < opts.max_new_tokens:
+        kk = min(k, opts.max_new_tokens - len(gen) - 1)  # never draft past the token budget
+        sync(device)
+        t = now()
+        draft = drafter.propose(seq, kk) if kk > 0 else []
+        sync(device)
+        t_mid = now()
+        have = len(seq) - 1  # target cache holds all but the newest token
+        preds = run_forward(target, [seq[-1], *draft], have, cache, device).argmax(-1).tolist()
+        # Greedy verification: p_i is the target's argmax after [.., d_1..d_i]; d_{i+1} is accepted iff
+        # d_{i+1} == p_i, so the longest matching prefix (n tokens) is what greedy would have produced;
+        # p_n is the target's own next token, hence n+1 tokens per step and output == plain greedy.
+        n = 0
+        while n < len(draft) and draft[n] == preds[n]:
+            n += 1
+        new = [*draft[:n], preds[n]]
+        crop_to(cache, have + 1 + len(draft), len(seq) + n)  # drop the KV of rejected draft tokens
+        sync(device)
+        t_end = now()
+        if opts.stop_at_eos and opts.eos_token_id in new:
+            new = new[: new.index(opts.eos_token_id) + 1]
+            done = True
+        seq.extend(new)
+        gen.extend(new)
+        drafter.rollback(len(seq) - 1)
+        steps.append((len(draft), n))
+        draft_s += t_mid - t
+        verify_s += t_end - t_mid
+        # the step's time shared by the tokens it produced: decode_s stays exact, ITL stays comparable
+        step_s.extend([(t_end - t) / len(new)] * len(new))
+    return Generation(sequences=[gen], prompt_tokens=len(prompt), ttft_s=ttft, step_s=step_s,
+                      decode_tokens=len(gen) - 1,
+                      stats={"steps": steps, "draft_s": draft_s, "verify_s": verify_s})
+
+
+@torch.inference_mode()
+def tie_note(model: Any, prompt: list[int], want: list[int], at: int) -> str:
+    """Explain a mismatch: a near-tie of the target's top-2 logits, or a real bug in the loop."""
+    from transformers import DynamicCache
+
+    if at >= len(want):
+        return "the speculative loop produced a different length: a bug in the loop"
+    device = str(next(model.parameters()).device)
+    logits = run_forward(model, [*prompt, *want[:at]], 0, DynamicCache(config=model.config), device)[-1].float()
+    top = logits.topk(2)
+    gap = float(top.values[0] - top.values[1])
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    if gap < 0.05 * max(1.0, float(top.values[0].abs())):
+        return (f"the target's top-2 logits there differ by only {gap:.4f} in {dtype}: verifying several tokens "
+                "in one forward rounds differently from one-token decode; use a float32 target for exact equality")
+    return f"the target's top-2 logits there differ by {gap:.4f}: not a rounding tie, the verify loop is wrong"
+
+
+def source_vocab(source: Any) -> dict[str, int]:
+    """Token -> id map of a model source, read from tokenizer files (no model weights are loaded)."""
+    gguf = source.gguf_path
+    if gguf is not None:
+        from gguf import GGUFReader
+
+        tokens = GGUFReader(str(gguf)).fields["tokenizer.ggml.tokens"]
+        return {bytes(tokens.parts[i]).decode("utf-8", "replace"): n for n, i in enumerate(tokens.data)}
+    local = Path(source.local_dir())
+    tj = local / "tokenizer.json"
+    if tj.is_file():
+        data = json.loads(tj.read_text())
+        vocab = dict(data.get("model", {}).get("vocab") or {})
+        vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+        if vocab:
+            return vocab
+    from transformers import AutoTokenizer
+
+    return dict(AutoTokenizer.from_pretrained(str(local), trust_remote_code=False).get_vocab())
+
+
+@dataclass
+class Speculative(Strategy):
+    """Speculative decoding with greedy verification (see module docstring)."""
+
+    draft: str = "model"  # model | prompt_lookup
+    num_draft_tokens: int = 4  # tokens proposed per verification step
+    ngram_max: int = 3  # prompt lookup: longest n-gram matched
+    ngram_min: int = 1  # prompt lookup: shortest n-gram matched
+    draft_model: Any = None  # draft=model: a model source (conf/model/*); null = the target's own weights
+    draft_quantizer: Any = None  # draft=model: a quantizer (conf/quantizer/*); null = weights as loaded
+    _target_source: Any = field(default=None, repr=False)
+    _drafter: Any = field(default=None, repr=False)
+    _draft_metrics: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        p: list[str] = []
+        if (err := one_of("strategy.draft", self.draft, DRAFTS)):
+            p.append(err)
+        for name in ("num_draft_tokens", "ngram_max", "ngram_min"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                p.append(f"strategy.{name}={v!r} must be an integer >= 1")
+        if not p and self.ngram_min > self.ngram_max:
+            p.append(f"strategy.ngram_min={self.ngram_min} must be <= strategy.ngram_max={self.ngram_max}")
+        if self.draft == "prompt_lookup" and self.draft_model is not None:
+            p.append("strategy.draft_model is only used with strategy.draft=model; drop it for prompt_lookup")
+        if p:
+            raise ConfigError(p)
+
+    @property
+    def name(self) -> str:
+        return f"Speculative-{self.draft}{self.num_draft_tokens}"
+
+    def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
+        if measure is not None and measure.cache != "dynamic":
+            raise QuantbenchError("strategy=speculative crops the KV cache after rejections and needs "
+                                  "measure.cache=dynamic")
+        self._target_source = parts.get("model")
+        self._device = measure.device if measure is not None else "auto"
+
+    def draft_source(self) -> Any:
+        return self.draft_model if self.draft_model is not None else self._target_source
+
+    def preflight(self) -> None:
+        """Reject a draft with another vocabulary before any model loads; check the draft quantizer."""
+        if self.draft != "model":
+            return  # prompt lookup: no draft model, the draft quantizer is unused
+        if self.draft_model is not None:
+            self.draft_model.preflight()
+            if self._target_source is not None:
+                target, draft = source_vocab(self._target_source), source_vocab(self.draft_model)
+                if target != draft:
+                    diff = sum(1 for t, i in draft.items() if target.get(t) != i)
+                    raise QuantbenchError(
+                        f"draft model {self.draft_model.name!r} has a different tokenizer than the target "
+                        f"{self._target_source.name!r} ({len(draft)} vs {len(target)} tokens, {diff} differ); "
+                        "speculative decoding needs the same vocabulary: pick a draft of the same model family")
+        if self.draft_quantizer is not None:
+            self.draft_quantizer.preflight(resolve_device(getattr(self, "_device", "auto")))
+
+    def setup(self, *, model: Any, tokenizer: Any, opts: DecodeOptions, experiment: Any) -> None:
+        if self.draft == "prompt_lookup":
+            self._drafter = LookupDrafter(self.ngram_max, self.ngram_min)
+            return
+        from quantizers.dtype import Dtype
+
+        source = self.draft_source() or experiment.model
+        quantizer = self.draft_quantizer or Dtype()
+        t0 = now()
+        draft = quantizer.load(source, tokenizer=tokenizer, device=opts.device, experiment=experiment)
+        audit = quantizer.audit(draft)
+        self._draft_metrics = {"draft_load_s": now() - t0, "draft_bits_per_weight": audit["bits_per_weight"],
+                               "draft_weight_bytes": audit["weight_bytes"]}
+        self._drafter = ModelDrafter(draft, opts.device)
+
+    def teardown(self) -> None:
+        self._drafter = None
+
+    def generate(self, model: Any, batch: list[list[int]], opts: DecodeOptions) -> Generation:
+        if len(batch) != 1:
+            raise QuantbenchError("strategy=speculative runs batch 1 (one prompt per call)")
+        spec = speculative_generate(model, batch[0], opts, self._drafter, self.num_draft_tokens)
+        ref = greedy_generate(model, batch, opts)
+        got, want = spec.sequences[0], ref.sequences[0]
+        if got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+            raise QuantbenchError(f"greedy_match=0: speculative output differs from plain greedy at generated "
+                                  f"token {at} ({len(got)} vs {len(want)} tokens); {tie_note(model, batch[0], want, at)}")
+        spec.stats.update(greedy_e2e_s=ref.e2e_s, greedy_decode_tokens_per_s=ref.decode_tokens_per_s)
+        return spec
+
+    def metrics(self, generations: list[Generation]) -> dict[str, float]:
+        steps = [s for g in generations for s in g.stats["steps"]]
+        drafted = [(d, a) for d, a in steps if d > 0]
+        n_draft = sum(d for d, _ in drafted)
+        n_acc = sum(a for _, a in drafted)
+        draft_s = sum(g.stats["draft_s"] for g in generations)
+        verify_s = sum(g.stats["verify_s"] for g in generations)
+        spec_s = sum(g.e2e_s for g in generations)
+        out = {
+            "batch_size": 1.0,
+            "num_draft_tokens": float(self.num_draft_tokens),
+            "greedy_match": 1.0,  # generate() fails the run on any mismatch
+            "acceptance_rate": n_acc / n_draft if n_draft else 0.0,
+            "mean_accepted_tokens": n_acc / len(drafted) if drafted else 0.0,  # per step that drafted
+            "tokens_per_verify_step": sum(a + 1 for _, a in steps) / len(steps) if steps else float("nan"),
+            "empty_draft_fraction": 1.0 - len(drafted) / len(steps) if steps else float("nan"),
+            "verify_steps": float(len(steps)),
+            "draft_ms_per_step": 1000.0 * draft_s / len(steps) if steps else float("nan"),
+            "verify_ms_per_step": 1000.0 * verify_s / len(steps) if steps else float("nan"),
+            "draft_time_fraction": draft_s / (draft_s + verify_s) if draft_s + verify_s else float("nan"),
+            "greedy_decode_tokens_per_s": percentile([g.stats["greedy_decode_tokens_per_s"] for g in generations], 50),
+            # same prompts, same target, same tokens out: the ratio of wall times is the speedup
+            "speedup_vs_greedy": sum(g.stats["greedy_e2e_s"] for g in generations) / spec_s if spec_s else float("nan"),
+        }
+        for n in range(self.num_draft_tokens + 1):  # histogram over steps that drafted something
+            out[f"accepted_len_{n}"] = sum(1 for _, a in drafted if a == n) / len(drafted) if drafted else 0.0
+        out.update(self._draft_metrics)
+        return out

@@ -1,0 +1,134 @@
+"""The compiled fast path on the tiny model: same tokens as eager, compile time outside the timing,
+recompilation inside the timing caught, non-compilable quantizers refused before loading."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from conftest import FAST
+
+from harness import fast_path, runner
+from harness.config import build
+from harness.errors import ConfigError, QuantbenchError
+from quantizers.dtype import Dtype
+from strategies.base import DecodeOptions
+from strategies.greedy import Greedy
+
+NO_ACC = ["accuracy.enabled=false"]
+COMPILED = ["measure.cache=static", "measure.compile=true"]
+
+
+@dataclass
+class NotCompilable(Dtype):
+    """A quantizer whose kernels torch.compile cannot trace (like bitsandbytes' custom ops)."""
+
+    compilable = False
+
+    def load(self, *args, **kwargs):  # pragma: no cover - reaching it is the failure under test
+        raise AssertionError("a non-compilable quantizer must be refused before the model loads")
+
+
+def test_compile_needs_static_cache_and_a_known_mode(compose):
+    with pytest.raises(ConfigError, match="measure.cache=static"):
+        build(compose([*FAST, "measure.compile=true"]))
+    with pytest.raises(ConfigError, match="compile_mode.*choose one of: default, reduce-overhead"):
+        build(compose([*FAST, *COMPILED, "measure.compile_mode=fastest"]))
+    build(compose([*FAST, *COMPILED, "measure.compile_mode=max-autotune-no-cudagraphs"]))
+
+
+def test_non_compilable_quantizer_fails_before_loading_or_falls_back_when_asked(compose):
+    from harness.engines import TransformersEngine
+
+    exp = build(compose([*FAST, *COMPILED, *NO_ACC]))
+    exp.quantizer = NotCompilable(dtype="float32")
+    with pytest.raises(QuantbenchError, match="cannot be compiled.*compile_fallback=true"):
+        TransformersEngine().preflight(exp, "cpu")
+
+    exp.measure.compile_fallback = True
+    assert fast_path.preflight(exp, "cpu") == "eager-fallback"
+    exp.measure.compile = False
+    assert fast_path.preflight(exp, "cpu") == "eager"
+
+
+def test_non_compilable_quantizer_run_stops_before_load(compose):
+    exp = build(compose([*FAST, *COMPILED, *NO_ACC]))
+    exp.quantizer = NotCompilable(dtype="float32")
+    with pytest.raises(QuantbenchError, match="measure.compile=true but quantizer"):
+        runner.execute(exp)
+
+
+def test_mismatch_between_compiled_and_eager_fails_the_run():
+    from harness.models import TinyRandom, load_pretrained
+
+    model = load_pretrained(TinyRandom(), "float32", "cpu")
+    opts = DecodeOptions(max_new_tokens=6, pad_token_id=0, cache="static")
+    batches = [[[5, 6, 7]]]
+    gens = [Greedy().generate(model, b, opts) for b in batches]
+    assert fast_path.check_match(Greedy(), model, batches, opts, gens) == 1.0
+    gens[0].sequences[0][3] += 1  # what a miscompiled step would produce
+    with pytest.raises(QuantbenchError, match="differs from eager at token 3.*compiled_match=0"):
+        fast_path.check_match(Greedy(), model, batches, opts, gens)
+
+
+@pytest.mark.slow  # one tiny compile (~20-40 s of CPU on 2 cores; cached by inductor afterwards)
+def test_compiled_run_matches_eager_and_keeps_compile_time_out_of_the_timing(compose, results_overrides):
+    compiled = runner.run(compose([*FAST, *COMPILED, *NO_ACC, *results_overrides]))
+    assert compiled.status == "OK", compiled.error
+    eager = runner.run(compose([*FAST, "measure.cache=static", *NO_ACC, *results_overrides]))
+    m = compiled.metrics
+    assert m["compiled_match"] == 1.0
+    assert compiled.tags["fast_path"] == "compiled" and eager.tags["fast_path"] == "eager"
+    assert compiled.tags["measure.compile"] == "true" and compiled.tags["measure.cache"] == "static"
+    assert [s["tokens"] for s in compiled.samples] == [s["tokens"] for s in eager.samples]
+    assert "compile_s" not in eager.metrics
+    # compiling (tracing + inductor, even from its disk cache) takes a second or more; a tiny decode step
+    # takes milliseconds: had compilation leaked into a timed step, that step would last >= compile_s
+    assert m["compile_s"] > 0.1
+    assert m["itl_ms_p99"] < 1000 * m["compile_s"] / 10
+    assert m["generated_tokens"] / m["decode_tokens_per_s"] < m["compile_s"]
+
+
+@pytest.mark.slow  # shares the tiny compile with the test above through inductor's cache
+def test_recompilation_inside_the_timed_region_fails():
+    from harness.models import TinyRandom, load_pretrained
+
+    model = load_pretrained(TinyRandom(), "float32", "cpu")
+    opts = DecodeOptions(max_new_tokens=4, pad_token_id=0, cache="static")
+    warmed = [[[5, 6, 7]]]  # batch size 1 only
+    fast = fast_path.FastPath(model, device="cpu", max_cache_len=fast_path.max_cache_len(warmed + [[[1] * 5]], 4))
+    fast_path.compile_warmup(Greedy(), model, warmed, opts, fast)
+    assert fast.compiled_graphs >= 1 and fast.compile_s > 0
+    with fast.timing():  # a shape the warmup covered: no compile, no error
+        Greedy().generate(model, [[8, 9, 10, 11, 12]], opts)
+    with pytest.raises(QuantbenchError, match="recompile"), fast.timing():
+        greedy_batch2 = [[5, 6, 7], [8, 9]]  # batch size 2: a decode shape the warmup never ran
+        from strategies.decode import greedy_generate
+
+        greedy_generate(model, greedy_batch2, opts)
+
+
+def test_auto_quantizer_answers_for_the_backend_it_resolved_to():
+    from quantizers.auto import Auto
+
+    q = Auto(bits="int8")
+    q._resolved = NotCompilable(dtype="float32")  # what preflight(device) would have picked
+    assert "cannot be compiled" in fast_path.compile_blocker(q, "cpu")
+    q._resolved = Dtype(dtype="float32")
+    assert fast_path.compile_blocker(q, "cpu") == ""
+
+
+def test_fixed_shape_step_uncompiled_reproduces_the_plain_loop():
+    """The compiled_match reference (fixed-length cache reused across calls, padded mask, no compile)
+    decodes what the plain loop decodes, batch 1 and a left-padded batch 2 (fp32: no rounding ties)."""
+    from harness.models import TinyRandom, load_pretrained
+
+    model = load_pretrained(TinyRandom(), "float32", "cpu")
+    opts = DecodeOptions(max_new_tokens=6, pad_token_id=0, cache="static")
+    batches = [[[5, 6, 7]], [[8, 9, 10, 11, 12]], [[5, 6, 7], [8, 9]]]
+    plain = [Greedy().generate(model, b, opts) for b in batches]
+    fast = fast_path.FastPath(model, device="cpu", max_cache_len=fast_path.max_cache_len(batches, 6) + 7)
+    opts.fast_path = fast
+    assert fast_path.check_match(Greedy(), model, batches, opts, plain) == 1.0
+    assert fast.eager is False and opts.fast_path is fast and fast.compiled_graphs == 0  # nothing compiled
+    assert set(fast._caches) == {1, 2}  # one reused cache per batch size

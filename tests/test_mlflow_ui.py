@@ -1,0 +1,117 @@
+"""The MLflow UI as a person checks a sweep: the smoke sweep, `mlflow ui` on 127.0.0.1, headless Chromium.
+
+Needs Debian's chromium + chromium-driver and the selenium package (scripts/setup.sh --all installs them).
+The screenshot is saved to results/ui/mlflow_sweep.png (and the test's tmp folder) for a person to look at.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from conftest import ROOT
+
+from harness import sweep
+
+CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+METRIC = "decode_tokens_per_s"
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def wait_for(fn, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < end:
+        try:
+            value = fn()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            last = exc
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what} ({last})")
+
+
+def test_smoke_sweep_shows_child_runs_and_a_metric_column_in_the_mlflow_ui(tmp_path):
+    import importlib.util
+
+    assert importlib.util.find_spec("selenium"), "selenium missing: run scripts/setup.sh --all"
+    assert Path(CHROMIUM).exists() and Path(DRIVER).exists(), "chromium missing: run scripts/setup.sh --all"
+    from mlflow.tracking import MlflowClient
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    done = subprocess.run([sys.executable, "run.py", "+experiment=smoke", f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra",
+                           "tracking.experiment=ui_smoke", "accuracy.max_tokens=200"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    labels = ["quantizer=none", "quantizer=bf16", "quantizer=fp16"]
+
+    port = free_port()
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store, "--host", "127.0.0.1",
+                               "--port", str(port), "--workers", "1"], stdout=open(tmp_path / "ui.log", "w"),
+                              stderr=subprocess.STDOUT)
+    driver = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200, 120, "mlflow ui")
+        exp = MlflowClient(url).get_experiment_by_name("ui_smoke")
+        opts = webdriver.ChromeOptions()
+        opts.binary_location = CHROMIUM
+        for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                     "--disable-component-update", "--disable-dev-shm-usage", "--window-size=1600,1000"):
+            opts.add_argument(flag)
+        driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+        driver.get(f"{url}/#/experiments/{exp.experiment_id}/runs")
+        # the sweep's parent run, then its nested cells once expanded
+        wait_for(lambda: driver.find_element(By.XPATH, "//*[text()='sweep:smoke']"), 60, "the sweep's parent run")
+        for b in driver.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):
+            b.click()  # the assistant side panel hides columns
+        driver.find_element(By.CSS_SELECTOR, "button[data-component-id*='runnamecellrenderer']").click()
+        for label in labels:
+            wait_for(lambda label=label: driver.find_element(By.XPATH, f"//a/span[text()='{label}']"), 30,
+                     f"child run {label}")
+        # add the decode tokens/s metric column through the Columns menu, as a person does
+        driver.find_element(By.CSS_SELECTOR, "[data-testid=column-selection-dropdown]").click()
+        box = wait_for(lambda: driver.find_element(By.CSS_SELECTOR, "input[placeholder='Search columns']"), 20,
+                       "the column search")
+        box.send_keys(METRIC)
+        wait_for(lambda: driver.find_element(By.XPATH, f"//*[text()='{METRIC}']"), 20, "the metric option").click()
+        box.send_keys(Keys.ESCAPE)
+        header = wait_for(lambda: driver.find_element(By.XPATH, f"//*[@role='columnheader']//*[text()='{METRIC}']"),
+                          20, "the metric column")
+        assert header.is_displayed()
+        time.sleep(1)
+        shot = tmp_path / "mlflow_sweep.png"
+        driver.save_screenshot(str(shot))
+        out = ROOT / "results" / "ui"
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, out / "mlflow_sweep.png")
+        # the metric cells hold the runs' values as MLflow shows them (rounded)
+        runs = {r.info.run_name: r for r in MlflowClient(url).search_runs([exp.experiment_id])}
+        body = driver.find_element(By.TAG_NAME, "body").text
+        for label in labels:
+            assert label in body
+            value = runs[label].data.metrics[METRIC]
+            assert any(f"{value:.{n}f}" in body for n in range(1, 6)) or f"{value:g}"[:5] in body, (label, value)
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.terminate()
+        server.wait(30)

@@ -1,0 +1,209 @@
+"""Decode strategies: speculative == greedy, honest token counts under padding, batched == per-prompt,
+the mismatched-tokenizer error, and every shipped strategy YAML end to end on the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import FAST
+
+from harness import runner
+from harness.config import build
+from harness.errors import QuantbenchError
+from harness.models import TinyRandom, byte_tokenizer, load_pretrained
+from strategies.base import DecodeOptions
+from strategies.decode import greedy_generate
+from strategies.speculative import LookupDrafter, ModelDrafter, speculative_generate
+
+STRATEGIES = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "strategy").glob("*.yaml"))
+
+# mixed lengths, and repeats so that prompt lookup finds matches
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 9, 10, 11], [20, 21] + [30, 31, 32] * 5, [40] * 2 + list(range(60, 90))]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_pretrained(TinyRandom(), "float32", "cpu")
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    # a bf16 copy (accepts most tokens) and a different model with the same tokenizer (rejects most):
+    # together they exercise full acceptance, partial acceptance and the cache rollback after rejections
+    return {"bf16_copy": load_pretrained(TinyRandom(), "bfloat16", "cpu"),
+            "other_seed": load_pretrained(TinyRandom(seed=1), "float32", "cpu")}
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_speculative_equals_greedy_tiny(target, drafts, k):
+    opts = DecodeOptions(max_new_tokens=20)
+    rejected = 0
+    for prompt in PROMPTS:
+        want = greedy_generate(target, [prompt], opts).sequences[0]
+        drafters = [ModelDrafter(d, "cpu") for d in drafts.values()] + [LookupDrafter(3, 1)]
+        for drafter in drafters:
+            gen = speculative_generate(target, prompt, opts, drafter, k)
+            assert gen.sequences[0] == want, (k, type(drafter).__name__, prompt)
+            steps = gen.stats["steps"]
+            assert all(0 <= a <= d <= k for d, a in steps)
+            assert 1 + sum(a + 1 for _, a in steps) == len(want) == opts.max_new_tokens
+            assert gen.decode_tokens == len(want) - 1 and len(gen.step_s) == gen.decode_tokens
+            rejected += sum(1 for d, a in steps if a < d)
+    assert rejected > 0  # the rollback path really ran
+
+
+def test_speculative_stops_at_eos_like_greedy(target, drafts):
+    free = greedy_generate(target, [PROMPTS[1]], DecodeOptions(max_new_tokens=16)).sequences[0]
+    opts = DecodeOptions(max_new_tokens=16, eos_token_id=free[5], stop_at_eos=True)
+    want = greedy_generate(target, [PROMPTS[1]], opts).sequences[0]
+    got = speculative_generate(target, PROMPTS[1], opts, ModelDrafter(drafts["bf16_copy"], "cpu"), 4).sequences[0]
+    assert got == want and len(want) < 16 and want[-1] == free[5]
+
+
+def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
+    lookup = LookupDrafter(ngram_max=2, ngram_min=1)
+    assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 5, 6, 1, 2], 3) == [5, 6, 1]  # latest "1 2", not the first
+    assert lookup.propose([7, 8, 9], 3) == []
+
+
+def test_batching_counts_exactly_the_non_pad_tokens(target):
+    # very different prompt lengths: the short row carries 30 pads, and one row stops early at EOS; counting
+    # columns or steps x rows would inflate both counts
+    batch = [PROMPTS[0], PROMPTS[3]]
+    free = [greedy_generate(target, [p], DecodeOptions(max_new_tokens=10)).sequences[0] for p in batch]
+    eos = free[0][3]
+    assert eos not in free[1]
+    opts = DecodeOptions(max_new_tokens=10, eos_token_id=eos, stop_at_eos=True)
+    gen = greedy_generate(target, batch, opts)
+    assert gen.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[3])
+    assert gen.sequences[0] == free[0][: free[0].index(eos) + 1] and gen.sequences[1] == free[1]
+    assert gen.generated_tokens == free[0].index(eos) + 1 + 10
+    assert gen.decode_tokens == gen.generated_tokens - 2
+
+
+def test_batched_outputs_equal_per_prompt_greedy(target):
+    from strategies.static_batch import StaticBatch
+
+    strategy = StaticBatch(batch_size=3)
+    batches = strategy.batches(PROMPTS)
+    assert [len(b) for b in batches] == [3, 3] and batches[1][1:] == [PROMPTS[0], PROMPTS[1]]  # cycled to fill
+    opts = DecodeOptions(max_new_tokens=12)
+    for batch in batches:
+        gen = strategy.generate(target, batch, opts)
+        for prompt, seq in zip(batch, gen.sequences, strict=True):
+            assert seq == greedy_generate(target, [prompt], opts).sequences[0]
+    assert strategy.metrics([gen])["batch_size"] == 3.0
+
+
+def _tokenizer_dir(tmp_path: Path, shift: bool) -> Path:
+    """A model directory with a real tokenizer (ids shifted when `shift`) and a corrupt weight file."""
+    tok = byte_tokenizer()
+    if shift:
+        tok.add_tokens(["<extra_a>", "<extra_b>"])
+    tok.save_pretrained(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint: loading it would fail differently")
+    return tmp_path
+
+
+def test_mismatched_draft_tokenizer_is_rejected_before_loading(compose, tmp_path):
+    bad = _tokenizer_dir(tmp_path / "bad", shift=True)
+    cfg = compose([*FAST, "strategy=speculative", "+model@strategy.draft_model=hf",
+                   f"strategy.draft_model.name_or_path={bad}"])
+    exp = build(cfg)
+    with pytest.raises(QuantbenchError, match="different tokenizer"):
+        exp.strategy.preflight()
+    result = runner.run(compose([*FAST, "strategy=speculative", "+model@strategy.draft_model=hf",
+                                 f"strategy.draft_model.name_or_path={bad}", "accuracy.enabled=false",
+                                 "tracking.enabled=false", f"tracking.results_dir={tmp_path}"]))
+    assert result.status == "FAILED" and "different tokenizer" in result.error and "load_s" not in result.metrics
+    # the same vocabulary passes the check (the corrupt weights are never touched by preflight)
+    good = _tokenizer_dir(tmp_path / "good", shift=False)
+    build(compose([*FAST, "strategy=speculative", "+model@strategy.draft_model=hf",
+                   f"strategy.draft_model.name_or_path={good}"])).strategy.preflight()
+
+
+def test_bad_strategy_options_fail_at_config_time(compose):
+    from harness.errors import ConfigError
+
+    for overrides, needle in [(["strategy=static_batch", "strategy.batch_size=0"], "batch_size"),
+                              (["strategy=speculative", "strategy.draft=layers"], "prompt_lookup"),
+                              (["strategy=speculative", "strategy.num_draft_tokens=0"], "num_draft_tokens"),
+                              (["strategy=speculative", "measure.cache=static"], "measure.cache=dynamic")]:
+        with pytest.raises(ConfigError, match=needle):
+            build(compose([*FAST, *overrides]))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_runs_end_to_end(compose, results_overrides, strategy):
+    extra = {"continuous_batch": ["strategy.requests=6"], "static_batch": ["strategy.batch_size=3"]}
+    cfg = compose([*FAST, f"strategy={strategy}", "accuracy.enabled=false", "measure.repetitions=1",
+                   *extra.get(strategy, []), *results_overrides])
+    result = runner.run(cfg)
+    assert result.status == "OK", result.error
+    m = result.metrics
+    assert m["decode_tokens_per_s"] > 0 and "batch_size" in m
+    n_prompts = 4
+    expected = {"greedy": n_prompts * 8, "speculative": n_prompts * 8, "static_batch": 6 * 8,
+                "continuous_batch": 6 * 8}
+    assert m["generated_tokens"] == expected[strategy]
+    if strategy == "speculative":
+        assert m["greedy_match"] == 1.0 and m["speedup_vs_greedy"] > 0
+        assert 0.0 <= m["acceptance_rate"] <= 1.0
+        assert sum(m[f"accepted_len_{i}"] for i in range(5)) == pytest.approx(1.0)
+    if strategy == "continuous_batch":
+        tiny = load_pretrained(TinyRandom(), "float32", "cpu")
+        want = [s["tokens"] for s in result.samples]
+        assert len(want) == 6
+        from harness.engines import encode_prompts
+        from harness.prompts import PROMPT_SETS
+
+        tok = byte_tokenizer()
+        prompts = encode_prompts(tok, PROMPT_SETS["default"], True)
+        for i, seq in enumerate(want):  # continuous batching reproduces per-prompt greedy
+            assert seq == greedy_generate(tiny, [prompts[i % 4]], DecodeOptions(max_new_tokens=8)).sequences[0]
+
+
+def test_speculative_prompt_lookup_end_to_end(compose, results_overrides):
+    cfg = compose([*FAST, "strategy=speculative", "strategy.draft=prompt_lookup", "strategy.num_draft_tokens=3",
+                   "measure.prompts=edit", "accuracy.enabled=false", "measure.repetitions=1", *results_overrides])
+    result = runner.run(cfg)
+    assert result.status == "OK", result.error
+    assert result.metrics["greedy_match"] == 1.0 and "draft_load_s" not in result.metrics
+
+
+def test_greedy_mismatch_fails_the_run(target, monkeypatch):
+    import strategies.speculative as spec
+
+    real = spec.speculative_generate
+
+    def off_by_one(*args, **kwargs):
+        gen = real(*args, **kwargs)
+        gen.sequences[0][-1] += 1
+        return gen
+
+    monkeypatch.setattr(spec, "speculative_generate", off_by_one)
+    strategy = spec.Speculative(draft="prompt_lookup")
+    strategy.setup(model=target, tokenizer=None, opts=DecodeOptions(), experiment=None)
+    with pytest.raises(QuantbenchError, match="greedy_match=0"):
+        strategy.generate(target, [PROMPTS[0]], DecodeOptions(max_new_tokens=6))
+
+
+@pytest.mark.slow
+def test_speculative_equals_greedy_embedded_model():
+    from harness.models import EmbeddedGGUF, load_tokenizer
+
+    source = EmbeddedGGUF()
+    tok = load_tokenizer(source)
+    # fp32 target: exact equality is the contract there (bf16 verification can flip near-ties, see docs)
+    model = load_pretrained(source, "float32", "cpu")
+    from harness.engines import encode_prompts
+    from harness.prompts import PROMPT_SETS
+
+    prompts = encode_prompts(tok, PROMPT_SETS["default"][:2] + PROMPT_SETS["edit"][:2], True)
+    opts = DecodeOptions(max_new_tokens=24, pad_token_id=tok.pad_token_id)
+    draft = load_pretrained(source, "bfloat16", "cpu")  # a cheaper copy: near, not equal (rejections happen)
+    for prompt in prompts:
+        want = greedy_generate(model, [prompt], opts).sequences[0]
+        for drafter, k in [(ModelDrafter(draft, "cpu"), 4), (LookupDrafter(3, 1), 3), (LookupDrafter(3, 1), 6)]:
+            assert speculative_generate(model, prompt, opts, drafter, k).sequences[0] == want

@@ -1,0 +1,263 @@
+"""Sweeps: isolation, fault drills (FAILED / CRASHED / TIMEOUT / OOM / KILLED), resume, report, exit codes.
+
+The drills run the real CLI (`python run.py -m ...`) on the tiny model, so they exercise Hydra's launcher,
+the callback, the spawned children and MLflow exactly as a user's sweep does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from harness import report, sweep
+
+TINY = ["model=tiny_random", "measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0",
+        "accuracy.enabled=false", "tracking.experiment=drill"]
+
+
+def run_cli(args: list[str], tmp: Path, faults: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    if faults:
+        env[sweep.FAULT_ENV] = json.dumps(faults)
+    return subprocess.run([sys.executable, "run.py", "-m", *TINY, f"tracking.results_dir={tmp}", f"hydra.sweep.dir={tmp}/hydra", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def cells_by_label(folder: Path) -> dict[str, dict]:
+    return {c["tags"]["sweep.cell"]: c for c in sweep.invocation_cells(folder)}
+
+
+def mlflow_runs(tmp: Path):
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{tmp}/mlflow.db")
+    exp = c.get_experiment_by_name("drill")
+    return c, c.search_runs([exp.experiment_id], max_results=1000)
+
+
+def test_fault_drill_then_resume_reruns_only_the_bad_cells(tmp_path):
+    # 6 cells: float32 x 2 succeed; bfloat16@seed0 is SIGKILLed, bfloat16@seed1 hangs past the timeout;
+    # int3 is not a dtype (invalid quantizer config: fails in the parent before any child starts)
+    args = ["name=drill", "quantizer=fp32", "quantizer.dtype=float32,bfloat16,int3", "measure.seed=0,1",
+            "sweep.timeout_s=40"]
+    faults = {"kill": {"quantizer.dtype": "bfloat16", "measure.seed": 0},
+              "hang": {"quantizer.dtype": "bfloat16", "measure.seed": 1}}
+    first = run_cli(args, tmp_path, faults)
+    out = first.stdout + first.stderr
+    assert first.returncode == 1, out[-3000:]
+    folder = tmp_path / "drill"
+    cells = cells_by_label(folder)
+    assert len(cells) == 6, sorted(cells)
+    status = {k: v["status"] for k, v in cells.items()}
+    assert status == {"quantizer.dtype=float32,measure.seed=0": "OK", "quantizer.dtype=float32,measure.seed=1": "OK",
+                      "quantizer.dtype=bfloat16,measure.seed=0": "CRASHED",
+                      "quantizer.dtype=bfloat16,measure.seed=1": "TIMEOUT",
+                      "quantizer.dtype=int3,measure.seed=0": "FAILED", "quantizer.dtype=int3,measure.seed=1": "FAILED"}
+    assert "SIGKILL" in cells["quantizer.dtype=bfloat16,measure.seed=0"]["error"]
+    assert "sweep.timeout_s=40s" in cells["quantizer.dtype=bfloat16,measure.seed=1"]["error"]
+    assert "quantizer.dtype='int3'" in cells["quantizer.dtype=int3,measure.seed=0"]["error"]
+    for label in ("quantizer.dtype=float32,measure.seed=0", "quantizer.dtype=float32,measure.seed=1"):
+        assert cells[label]["metrics"]["decode_tokens_per_s"] > 0
+        assert cells[label]["metrics"]["generated_tokens"] == 4 * 4  # 4 prompts x 4 tokens, 1 repetition
+
+    # MLflow: one parent run (FAILED), six nested child runs with the same statuses, nothing left RUNNING
+    c, runs = mlflow_runs(tmp_path)
+    parents = [r for r in runs if r.data.tags.get("quantbench.role") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "FAILED"
+    assert parents[0].data.tags["status"] == "FAILED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert sorted(r.data.tags["status"] for r in children) == sorted(status.values())
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    arts = {a.path for a in c.list_artifacts(parents[0].info.run_id)}
+    assert {"report.md", "report.png"} <= arts
+    md = (folder / "report.md").read_text()
+    assert md.count("| CRASHED |") == 1 and md.count("| TIMEOUT |") == 1 and md.count("| OK |") == 2
+    first_ok = {k: v["started"] for k, v in cells.items() if v["status"] == "OK"}
+
+    # resume without the faults: only the 4 bad cells run again; the killed and hung ones now succeed
+    second = run_cli(args, tmp_path)
+    out2 = second.stdout + second.stderr
+    assert second.returncode == 1, out2[-3000:]  # the invalid cells still fail
+    assert out2.count("[skip]") == 2, out2[-3000:]
+    cells = cells_by_label(folder)
+    assert {k: v["status"] for k, v in cells.items()} == {**status,
+                                                          "quantizer.dtype=bfloat16,measure.seed=0": "OK",
+                                                          "quantizer.dtype=bfloat16,measure.seed=1": "OK"}
+    assert {k: v["started"] for k, v in cells.items() if k in first_ok} == first_ok  # not rerun
+    c, runs = mlflow_runs(tmp_path)
+    parents = [r for r in runs if r.data.tags.get("quantbench.role") == "sweep"]
+    assert len(parents) == 1  # the resume re-opened the same parent run
+    live = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id
+            and not r.data.tags.get("superseded_by")]
+    assert len(live) == 6
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+
+
+def test_oom_in_the_child_is_recorded_as_oom(compose):
+    from harness.config import to_plain
+
+    config = to_plain(compose(TINY))
+    config.pop("hydra", None)
+    os.environ[sweep.FAULT_ENV] = json.dumps({"oom": {"model.hidden_size": 128}})
+    try:
+        fault = sweep.fault_for(config)
+    finally:
+        del os.environ[sweep.FAULT_ENV]
+    assert fault == "oom"
+    result = sweep.run_isolated(config, sweep.SweepSettings(timeout_s=120), fault)
+    assert result.status == "OOM" and "simulated out of memory" in result.error
+    assert result.config_hash and result.tags["status"] == "OOM"
+
+
+def _spawned_child(pid: int, wait_s: float = 240) -> int:
+    import psutil
+
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        for p in psutil.Process(pid).children(recursive=True):
+            try:
+                if "spawn_main" in " ".join(p.cmdline()):
+                    return p.pid
+            except psutil.Error:
+                continue
+        time.sleep(0.5)
+    raise AssertionError("the sweep never started a cell")
+
+
+def _popen(args: list[str], tmp: Path, faults: dict) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != sweep.STATE_ENV}
+    env[sweep.FAULT_ENV] = json.dumps(faults)
+    return subprocess.Popen([sys.executable, "run.py", "-m", *TINY, f"tracking.results_dir={tmp}", f"hydra.sweep.dir={tmp}/hydra", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigterm_kills_the_cell_and_closes_the_sweep(tmp_path):
+    import psutil
+
+    proc = _popen(["name=term", "quantizer=fp32"], tmp_path, {"hang": {"quantizer.dtype": "float32"}})
+    child = _spawned_child(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    (cell,) = sweep.invocation_cells(tmp_path / "term")
+    assert cell["status"] == "KILLED" and "SIGTERM" in cell["error"]
+    _, runs = mlflow_runs(tmp_path)
+    assert {r.info.status for r in runs} == {"KILLED"} and len(runs) == 2  # parent + the cell
+    assert (tmp_path / "term" / "report.md").exists()
+
+
+def test_sigkilled_sweep_leaves_no_orphan_and_next_start_marks_it_killed(tmp_path):
+    import psutil
+
+    proc = _popen(["name=stale", "quantizer=fp32"], tmp_path, {"hang": {"quantizer.dtype": "float32"}})
+    child = _spawned_child(proc.pid)
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the cell's child outlived its killed sweep"
+        time.sleep(0.5)
+    _, runs = mlflow_runs(tmp_path)
+    (parent,) = runs
+    assert parent.info.status == "RUNNING"  # what a SIGKILL leaves behind
+    # the next start of any sweep in the experiment closes it (an invalid cell: no child, seconds)
+    again = run_cli(["name=other", "quantizer=fp32", "quantizer.dtype=int3"], tmp_path)
+    assert again.returncode == 1
+    assert "marked 1 stale run(s) KILLED" in again.stdout + again.stderr
+    c, runs = mlflow_runs(tmp_path)
+    assert c.get_run(parent.info.run_id).info.status == "KILLED"
+    assert c.get_run(parent.info.run_id).data.tags["status"] == "KILLED"
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+
+
+def test_bad_sweep_settings_stop_before_any_cell(tmp_path):
+    done = run_cli(["name=bad", "quantizer=fp32,bf16", "sweep.timeout_s=-1"], tmp_path)
+    assert done.returncode == 2
+    assert "sweep.timeout_s=-1 must be > 0" in done.stderr
+    assert not (tmp_path / "bad" / "cells").exists()
+
+
+def test_cell_names_and_planned_cells(compose):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from harness.config import register_configs
+
+    register_configs()
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=["+experiment=smoke"], return_hydra_config=True)
+    from omegaconf import open_dict
+
+    with open_dict(cfg):  # what Hydra holds in multirun mode for `-m +experiment=smoke measure.seed=0,1`
+        cfg.hydra.overrides.task = ["+experiment=smoke", "measure.seed=0,1"]
+    cells = sweep.planned_cells(cfg.hydra)
+    assert len(cells) == 6  # 3 quantizers from the experiment's params x 2 seeds from the command line
+    assert sweep.varying_keys(cells) == ("quantizer", "measure.seed")
+    assert sweep.cell_label(["quantizer=bf16", "+experiment=smoke", "measure.seed=1"], ("quantizer", "measure.seed")) \
+        == "quantizer=bf16,measure.seed=1"
+    assert sweep.cell_label(["+experiment=smoke", "quantizer=bf16"], ()) == "quantizer=bf16"
+
+
+def _cell(label, quantizer, tps, kl=None, status="OK", batch=1, **extra):
+    m = {"decode_tokens_per_s": tps, "decode_tokens_per_s_p10": tps * 0.9, "decode_tokens_per_s_p90": tps * 1.1,
+         "batch_size": batch, "ttft_ms": 10.0, "weight_bytes": 2e6, **extra}
+    if kl is not None:
+        m["kl_div_mean"] = kl
+    return {"status": status, "metrics": m if status == "OK" else {}, "error": "" if status == "OK" else "boom",
+            "tags": {"sweep.cell": label, "quantizer.name": quantizer, "strategy.name": "StaticBatch"}}
+
+
+def test_report_ratios_per_batch_and_optional_columns(tmp_path):
+    cells = [_cell("b1-none", "none", 20.0, 0.0), _cell("b1-int8", "int8", 30.0, 0.01),
+             _cell("b4-none", "none", 60.0, 0.0, batch=4), _cell("b4-int8", "int8", 45.0, 0.01, batch=4),
+             _cell("bad", "int4", 0.0, status="CRASHED")]
+    rows = report.rows_for(cells, "none")
+    ratio = {r["cell"]: r["ratio"] for r in rows}
+    assert ratio["b1-int8"] == pytest.approx(1.5) and ratio["b4-int8"] == pytest.approx(0.75)
+    assert ratio["b4-none"] == pytest.approx(1.0) and ratio["bad"] is None
+    md, png = report.write_report(tmp_path, cells, "none", "t")
+    text = md.read_text()
+    assert "roofline" not in text and "| CRASHED |" in text and "**bad** [CRASHED]: boom" in text
+    assert png.stat().st_size > 10_000
+    cells[1]["metrics"]["roofline_fraction"] = 0.42
+    assert "| 0.420 |" in report.markdown(report.rows_for(cells, "none"), "none") and "roofline" in \
+        report.markdown(report.rows_for(cells, "none"), "none")
+
+
+def test_report_command_regenerates_from_folder_and_mlflow(tmp_path):
+    # a finished sweep's folder and store, written the way the sweep writes them (no model needed)
+    from harness.config import TrackingConfig
+    from harness.runner import Result
+
+    tcfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="rep", results_dir=str(tmp_path))
+    state = sweep.SweepState(name="rep", folder=str(tmp_path / "rep"), invocation="inv1", commit="abc",
+                             owner=sweep.owner_id(), tracking=vars(tcfg).copy())
+    state.parent_run_id = sweep.open_parent_run(state, "")
+    for label, q, tps in (("quantizer=none", "none", 10.0), ("quantizer=int8", "int8", 15.0)):
+        r = Result(status="OK", config={"quantizer": {"q": q}}, metrics={"decode_tokens_per_s": tps,
+                                                                        "kl_div_mean": 0.0 if q == "none" else 0.02},
+                   tags={"quantizer.name": q, "strategy.name": "Greedy"}, config_hash=q * 2, started=time.time(),
+                   ended=time.time())
+        sweep._append_manifest(state, r.config_hash, label)
+        sweep._record(r, sweep.cell_path(Path(state.folder), r.config_hash), state, label, {}, None, tcfg)
+    state.save()
+    assert report.main([str(tmp_path / "rep")]) == 0
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "| quantizer=int8 | int8 |" in text and "| 1.50 |" in text
+    out = tmp_path / "from_mlflow"
+    assert report.main(["--mlflow-experiment", "rep", "--tracking-uri", tcfg.uri, "--out", str(out)]) == 0
+    text2 = (out / "report.md").read_text()
+    assert "| quantizer=int8 | int8 |" in text2 and "| 1.50 |" in text2
+    assert report.main([str(tmp_path / "nope")]) == 2

@@ -1,0 +1,178 @@
+"""Tracking that survives: a dead or hung server costs seconds, the JSON keeps the numbers, `upload`
+re-sends them exactly once, and concurrent writers into one SQLite store lose nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from harness import tracking
+from harness.config import TrackingConfig
+from harness.runner import Result
+
+
+def fake_result(name: str, value: float, tcfg: TrackingConfig | None = None) -> Result:
+    """A finished result as the runner returns it (tracking does not care how the numbers were made)."""
+    now = time.time()
+    config = {"model": {"name": name}, "measure": {"repetitions": 2},
+              "tracking": dataclasses.asdict(tcfg or TrackingConfig(enabled=False))}
+    return Result(status="OK", config=config,
+                  metrics={"decode_tokens_per_s": value, "ttft_ms": 2 * value}, tags={"status": "OK"},
+                  run_name=name, config_hash=uuid.uuid4().hex[:16], started=now - 1, ended=now)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def runs_of(uri: str, experiment: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name(experiment)
+    return [] if exp is None else c.search_runs([exp.experiment_id], max_results=1000)
+
+
+@pytest.fixture()
+def live_uri(mlflow_dir) -> str:
+    return f"sqlite:///{mlflow_dir}/mlflow.db"
+
+
+def test_dead_server_costs_seconds_then_upload_sends_once(tmp_path, live_uri, capsys):
+    import mlflow  # noqa: F401 - import time is not the retry budget under test
+
+    dead = TrackingConfig(uri=f"http://127.0.0.1:{closed_port()}", results_dir=str(tmp_path),
+                          experiment=f"dead-{uuid.uuid4().hex[:8]}")
+    result = fake_result("dead-server", 12.5)
+    t0 = time.monotonic()
+    path = tracking.record(result, dead)
+    elapsed = time.monotonic() - t0
+    # MLflow alone (7 retries, backoff 2, per call) would take minutes; ours: 3 quick retries
+    assert elapsed < 8, f"a refused connection took {elapsed:.1f}s"
+    data = json.loads(path.read_text())
+    assert data["mlflow_run_id"] == ""
+    assert "MlflowException" in data["tags"]["tracking_error"] and dead.uri in data["tags"]["tracking_error"]
+    assert data["metrics"]["decode_tokens_per_s"] == 12.5
+    assert os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES") is None  # restored after the call
+
+    # the server "comes back": the CLI re-sends to the live store
+    assert tracking.main(["upload", str(tmp_path), "--uri", live_uri, "--experiment", dead.experiment]) == 0
+    assert "uploaded 1, failed 0" in capsys.readouterr().out
+    runs = runs_of(live_uri, dead.experiment)
+    assert len(runs) == 1
+    run = runs[0]
+    data = json.loads(path.read_text())
+    assert data["mlflow_run_id"] == run.info.run_id and "tracking_error" not in data["tags"]
+    assert run.info.status == "FINISHED" and run.data.metrics["ttft_ms"] == 25.0
+    assert "tracking_error" not in run.data.tags
+    # a second upload has nothing to send
+    assert tracking.upload(tmp_path, TrackingConfig(uri=live_uri, experiment=dead.experiment)) == (0, 0)
+    assert len(runs_of(live_uri, dead.experiment)) == 1
+
+
+def test_hung_server_is_bounded_by_the_timeout(tmp_path):
+    import mlflow  # noqa: F401
+
+    with socket.socket() as srv:  # accepts connections, never answers
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        tcfg = TrackingConfig(uri=f"http://127.0.0.1:{srv.getsockname()[1]}", results_dir=str(tmp_path),
+                              timeout_s=1.0, retries=5)
+        result = fake_result("hung-server", 3.0)
+        t0 = time.monotonic()
+        path = tracking.record(result, tcfg)
+        elapsed = time.monotonic() - t0
+    # one request timeout ends the retries (no 5 x 1 s, no MLflow 120 s default)
+    assert elapsed < 4, f"a hung server took {elapsed:.1f}s"
+    assert "tracking_error" in json.loads(path.read_text())["tags"]
+
+
+def test_upload_adopts_a_run_whose_json_update_was_lost(tmp_path, live_uri):
+    tcfg = TrackingConfig(uri=live_uri, results_dir=str(tmp_path), experiment=f"lost-{uuid.uuid4().hex[:8]}")
+    result = fake_result("lost-update", 7.0, tcfg)
+    path = tracking.record(result, tcfg)
+    sent = json.loads(path.read_text())
+    assert sent["mlflow_run_id"]
+    sent["mlflow_run_id"] = ""  # as if the process died between MLflow and the JSON write-back
+    path.write_text(json.dumps(sent))
+    assert tracking.upload(tmp_path, None) == (1, 0)  # None: each JSON's own tracking config
+    runs = runs_of(live_uri, tcfg.experiment)
+    assert len(runs) == 1 and json.loads(path.read_text())["mlflow_run_id"] == runs[0].info.run_id
+
+
+def test_upload_replaces_a_half_logged_run(tmp_path, live_uri):
+    from mlflow.tracking import MlflowClient
+
+    tcfg = TrackingConfig(uri=live_uri, results_dir=str(tmp_path), experiment=f"half-{uuid.uuid4().hex[:8]}",
+                          enabled=False)
+    result = fake_result("half-logged", 5.0)
+    path = tracking.record(result, tcfg)  # JSON only
+    c = MlflowClient(live_uri)
+    exp_id = c.create_experiment(tcfg.experiment)
+    c.create_run(exp_id, tags={tracking.RESULT_KEY_TAG: result.tags[tracking.RESULT_KEY_TAG]})  # left RUNNING
+    assert tracking.upload(tmp_path, TrackingConfig(uri=live_uri, experiment=tcfg.experiment)) == (1, 0)
+    runs = runs_of(live_uri, tcfg.experiment)
+    assert [r.info.status for r in runs] == ["FINISHED"]
+    assert runs[0].info.run_id == json.loads(path.read_text())["mlflow_run_id"]
+
+
+WRITER = textwrap.dedent("""
+    import sys, time, uuid
+    from harness import tracking
+    from harness.config import TrackingConfig
+    from harness.runner import Result
+    uri, out, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    tcfg = TrackingConfig(uri=uri, results_dir=out, retries=0)  # no retries: only the lock can save us
+    for k in range(n):
+        r = Result(status="OK", config={"writer": who, "k": k}, metrics={"value": float(who * 100 + k)},
+                   run_name=f"w{who}-{k}", config_hash=uuid.uuid4().hex[:16], started=time.time(),
+                   ended=time.time())
+        tracking.record(r, tcfg)
+        print("ERR" if "tracking_error" in r.tags else "OK", r.tags.get("tracking_error", ""), flush=True)
+""")
+
+
+def test_four_concurrent_writers_into_a_fresh_sqlite_store_lose_nothing(tmp_path):
+    # A fresh store is the worst case: every writer races MLflow's schema migration (without the lock
+    # this run lost most results to "table _alembic_tmp_runs already exists" and "database is locked").
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, uri, str(tmp_path / f"w{i}"), str(i), "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        assert out.split().count("OK") == 2 and "ERR" not in out, out + err[-2000:]
+    runs = runs_of(uri, "quantbench")
+    values = sorted(r.data.metrics["value"] for r in runs)
+    assert values == [float(w * 100 + k) for w in range(4) for k in range(2)]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    for w in range(4):  # every JSON points at its run
+        for f in Path(tmp_path / f"w{w}").rglob("*.json"):
+            assert json.loads(f.read_text())["mlflow_run_id"] in {r.info.run_id for r in runs}
+
+
+def test_sweep_parent_run_calls_are_bounded_too():
+    import mlflow  # noqa: F401
+
+    from harness import sweep
+
+    dead = TrackingConfig(uri=f"http://127.0.0.1:{closed_port()}")
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="127.0.0.1"):
+        sweep.mark_stale(dead)  # goes through tracking.client(): MLflow's own retries are off there too
+    assert time.monotonic() - t0 < 8
