@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from harness.errors import ConfigError, QuantbenchError, one_of
-from harness.measure import Generation, now, percentile, resolve_device, sync
+from harness.measure import Generation, model_grad_mode, now, percentile, resolve_device, sync
 from strategies.base import DecodeOptions, Strategy
 from strategies.decode import greedy_generate
 
@@ -99,7 +99,7 @@ class LookupDrafter:
         pass
 
 
-@torch.inference_mode()
+@model_grad_mode  # inference_mode, or no_grad where the quantizer needs it (quanto int4)
 def speculative_generate(target: Any, prompt: list[int], opts: DecodeOptions, drafter: Any, k: int) -> Generation:
     """Greedy speculative decoding of one prompt; `Generation.stats` holds the acceptance counts."""
     from transformers import DynamicCache
@@ -154,7 +154,7 @@ def speculative_generate(target: Any, prompt: list[int], opts: DecodeOptions, dr
                       stats={"steps": steps, "draft_s": draft_s, "verify_s": verify_s})
 
 
-@torch.inference_mode()
+@model_grad_mode  # inference_mode, or no_grad where the quantizer needs it (quanto int4)
 def tie_note(model: Any, prompt: list[int], want: list[int], at: int) -> str:
     """Explain a mismatch: a near-tie of the target's top-2 logits, or a real bug in the loop."""
     from transformers import DynamicCache
