@@ -18,6 +18,7 @@ Finally one end-to-end `python -m harness.gate` run (the CI command) is timed.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import statistics
 import subprocess
@@ -38,6 +39,7 @@ def main() -> int:
     ap.add_argument("--power-runs", type=int, default=10)
     ap.add_argument("--repetitions", type=int, default=10, help="repetitions per side per gate run (gate default)")
     ap.add_argument("--threshold", type=float, default=0.05)
+    ap.add_argument("--save", default="", help="write every gate run's raw samples to this JSON file")
     args = ap.parse_args()
 
     from harness import quiet_third_party
@@ -50,6 +52,7 @@ def main() -> int:
                  ("slowdown 10% (tok/s -9.1%)", ["measure.inject_slowdown=0.10"], args.power_runs, ">= 9 caught"),
                  ("slowdown 20% (tok/s -16.7%)", ["measure.inject_slowdown=0.20"], args.power_runs, ">= 9 caught")]
     rows = []
+    raw: list[dict] = []
     t_all = time.perf_counter()
     for name, extra, runs, target in scenarios:
         base, cand = InProcessSide("baseline", base_ov), InProcessSide("candidate", base_ov + extra)
@@ -60,10 +63,11 @@ def main() -> int:
             t0 = time.perf_counter()
             a, b = interleave(base, cand, args.repetitions)
             s = speed_stats(a, b, threshold=args.threshold, seed=run)
+            raw.append({"scenario": name, "run": run, "baseline": a, "candidate": b, "verdict": s.verdict})
             secs.append(time.perf_counter() - t0)
             alarms += s.verdict == "regression"
             changes.append(s.change)
-            cvs.append(max(s.cv_baseline, s.cv_candidate))
+            cvs.append(s.cv_ratio)
             taus.append(s.effective_threshold)
             print(f"  {name} run {run + 1}/{runs}: change {s.change:+.1%} CI [{s.ci_low:+.1%}, {s.ci_high:+.1%}] "
                   f"tau {s.effective_threshold:.1%} -> {s.verdict}", flush=True)
@@ -74,6 +78,8 @@ def main() -> int:
                      statistics.median(changes), statistics.median(cvs), max(cvs), statistics.median(taus),
                      statistics.median(secs)))
 
+    if args.save:
+        Path(args.save).write_text(json.dumps({"overrides": args.overrides, "runs": raw}, indent=1))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "harness.gate", "--baseline", args.overrides, "--candidate",
                            args.overrides, "--repetitions", str(args.repetitions), "--no-mlflow",
@@ -83,6 +89,7 @@ def main() -> int:
 
     print(f"\nGate calibration: {args.repetitions} interleaved repetitions per side, threshold "
           f"{args.threshold:.0%}, config `{args.overrides}`")
+    print("(CV: the robust CV of the pair ratios, which tau = max(threshold, 3 x CV) uses)")
     print("| scenario | runs | alarms | rate | target | result | median change | median CV | max CV | "
           "median tau | s / gate run (speed) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
