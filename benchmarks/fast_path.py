@@ -134,6 +134,14 @@ def llama_cpp_ok() -> str:
     return ""
 
 
+def match_cell(r: dict) -> str:
+    if "compiled_match" not in r:
+        return "-"
+    if r["compiled_match"] == 1:
+        return "1"
+    return f"0 ({r.get('compiled_tie_flips', 0):.0f} near-tie flips, max gap {r.get('compiled_max_gap_ulps', 0):.1f} ulp)"
+
+
 def fmt(x: float | None, spec: str = ".1f") -> str:
     return "n/a" if x is None or not isinstance(x, (int, float)) or not math.isfinite(x) else format(x, spec)
 
@@ -169,14 +177,20 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"llama.cpp column n/a: {peer}")
 
     rows = []
+    if not peer and any(b != 1 for b in batches):
+        notes.append("llama.cpp column at batch > 1: engine=llama_cpp decodes one sequence at a time here, so "
+                     "those rows compare aggregate tok/s with llama.cpp's batch-1 tok/s of the same format")
     for label, option, gguf in formats:
+        peer_tps = None
+        if not peer:  # llama.cpp decodes batch 1 (see notes); measured once per format, next to its rows
+            ref = run_cell(option, 1, [], common, engine=gguf, model=args.model)
+            peer_tps = ref.get("decode_tokens_per_s")
+            if "error" in ref:
+                notes.append(f"llama.cpp {gguf}: {ref['error']}")
+            else:
+                notes.append(f"llama.cpp {gguf} batch 1: {fmt(peer_tps)} tok/s, roofline fraction "
+                             f"{fmt(ref.get('roofline_fraction'), '.2f')}")
         for batch in batches:
-            peer_tps = None
-            if not peer:
-                ref = run_cell(option, batch, [], common, engine=gguf, model=args.model)
-                peer_tps = ref.get("decode_tokens_per_s")
-                if "error" in ref:
-                    notes.append(f"llama.cpp {gguf} batch {batch}: {ref['error']}")
             paths = {k: PATHS[k] for k in args.paths.split(",")}
             if args.explore and label == "bf16" and batch == 1:
                 paths.update(EXPLORE)
@@ -206,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {batch} | {path_label} | {spread} | "
               f"{fmt(tps / b if b and tps else None, '.2f')}x | {fmt(r.get('roofline_fraction'), '.2f')} | "
               f"{fmt(tps / peer_tps if peer_tps and tps else None, '.2f')} | {fmt(r.get('compile_s'))} | "
-              f"{fmt(r.get('compiled_match'), '.0f') if 'compiled_match' in r else '-'} |")
+              f"{match_cell(r)} |")
     for n in notes:
         print(f"- {n}")
     return 0

@@ -24,6 +24,7 @@ from harness.errors import ConfigError, QuantbenchError, one_of
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MATCH = ("near_tie", "strict")  # how the compiled-vs-eager token check fails (harness/fast_path.py)
 
 
 def _positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:
@@ -66,6 +67,7 @@ class MeasureConfig(_Validated):
     compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs on CUDA) | max-autotune[-no-cudagraphs]
     compile_freezing: bool = False  # inductor freezing: weights become constants (prepacked on CPU)
     compile_fallback: bool = False  # a quantizer that cannot compile runs eager (tag fast_path) instead of failing
+    compile_match: str = "near_tie"  # strict: any compiled != eager token fails | near_tie: only non-tie ones do
     inject_slowdown: float = 0.0  # test-only: stretch each decode step by this fraction (gate power tests)
 
     _section = "measure"
@@ -82,6 +84,8 @@ class MeasureConfig(_Validated):
             if err:
                 p.append(err)
         if (err := one_of("measure.compile_mode", self.compile_mode, COMPILE_MODES)):
+            p.append(err)
+        if (err := one_of("measure.compile_match", self.compile_match, COMPILE_MATCH)):
             p.append(err)
         if self.compile and self.cache != "static":
             p.append("measure.compile=true needs fixed decode shapes: add measure.cache=static")

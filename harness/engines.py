@@ -104,7 +104,8 @@ class TransformersEngine:
                         gens.append(exp.strategy.generate(model, batch, opts))
             if fast:
                 metrics["compile_s"] = fast.compile_s
-                metrics["compiled_match"] = fast_path.check_match(exp.strategy, model, batches, opts, gens)
+                metrics.update(fast_path.check_match(exp.strategy, model, batches, opts, gens, m.compile_match))
+                tags["measure.compile_match"] = m.compile_match
             metrics.update(measure.summarize(gens))
             metrics.update(exp.strategy.metrics(gens))
             metrics.update(getattr(exp.strategy, "last_metrics", {}) or {})

@@ -20,6 +20,7 @@ class DecodeOptions:
     inject_slowdown: float = 0.0  # test-only (gate power calibration): stretch each timed step
     cache: str = "dynamic"
     fast_path: Any = None  # harness.fast_path.FastPath: compiled decode step + fixed static caches
+    choose: Any = None  # check-only hook (logits, token index) -> next tokens; None = greedy argmax
 
 
 @dataclass

@@ -64,7 +64,7 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
     sync(device)
     t0 = now()
     logits = forward(model, ids, mask, pos, cache, cache_position)
-    nxt = logits.argmax(-1)
+    nxt = logits.argmax(-1) if opts.choose is None else opts.choose(logits, 0)
     tokens = nxt.tolist()  # host copy: needed to test EOS, and it is what a server would stream
     sync(device)
     ttft = now() - t0
@@ -83,7 +83,7 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
         sync(device)
         t = now()
         logits = step(model, nxt[:, None], mask, last_pos, cache, cpos)
-        nxt = logits.argmax(-1)
+        nxt = logits.argmax(-1) if opts.choose is None else opts.choose(logits, i + 1)
         tokens = nxt.tolist()
         sync(device)
         dt = now() - t

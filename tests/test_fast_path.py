@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 from conftest import FAST
 
 from harness import fast_path, runner
@@ -65,10 +66,44 @@ def test_mismatch_between_compiled_and_eager_fails_the_run():
     opts = DecodeOptions(max_new_tokens=6, pad_token_id=0, cache="static")
     batches = [[[5, 6, 7]]]
     gens = [Greedy().generate(model, b, opts) for b in batches]
-    assert fast_path.check_match(Greedy(), model, batches, opts, gens) == 1.0
-    gens[0].sequences[0][3] += 1  # what a miscompiled step would produce
-    with pytest.raises(QuantbenchError, match="differs from eager at token 3.*compiled_match=0"):
+    assert fast_path.check_match(Greedy(), model, batches, opts, gens)["compiled_match"] == 1.0
+    gens[0].sequences[0][3] += 1  # what a miscompiled step would produce: a token far below eager's top
+    with pytest.raises(QuantbenchError, match="differs from eager at token 3.*compiled_match=0.*ulps below"):
         fast_path.check_match(Greedy(), model, batches, opts, gens)
+    with pytest.raises(QuantbenchError, match="compile_match=strict"):
+        fast_path.check_match(Greedy(), model, batches, opts, gens, policy="strict")
+
+
+class OneStep(Greedy):
+    """One token from fixed bf16 logits [4.0, 4.0 - 1 ulp, 0.0]: eager's argmax is token 0."""
+
+    def generate(self, model, batch, opts):
+        from harness.measure import Generation
+
+        logits = torch.tensor([[4.0, 4.0 - 0.03125, 0.0]], dtype=torch.bfloat16)  # bf16 ulp at 4 = 2^-7 x 4
+        nxt = logits.argmax(-1) if opts.choose is None else opts.choose(logits, 0)
+        return Generation(sequences=[[int(nxt[0])]], prompt_tokens=1, ttft_s=0.0, step_s=[], decode_tokens=0)
+
+
+def test_near_tie_flip_is_recorded_not_failed_and_a_far_token_fails():
+    from harness.measure import Generation
+
+    opts = DecodeOptions(max_new_tokens=1, cache="static")
+    flipped = [Generation(sequences=[[1]], prompt_tokens=1, ttft_s=0.0, step_s=[], decode_tokens=0)]
+    m = fast_path.check_match(OneStep(), None, [[[5]]], opts, flipped)
+    assert m == {"compiled_match": 0.0, "compiled_tie_flips": 1.0, "compiled_max_gap_ulps": 1.0}
+    assert opts.choose is None  # the replay hook is removed again
+    with pytest.raises(QuantbenchError, match="compile_match=strict"):
+        fast_path.check_match(OneStep(), None, [[[5]]], opts, flipped, policy="strict")
+    far = [Generation(sequences=[[2]], prompt_tokens=1, ttft_s=0.0, step_s=[], decode_tokens=0)]  # 128 ulps down
+    with pytest.raises(QuantbenchError, match="128.0 ulps below"):
+        fast_path.check_match(OneStep(), None, [[[5]]], opts, far)
+
+
+def test_ulp_follows_dtype_and_magnitude():
+    assert fast_path.ulp(27.0, torch.bfloat16) == 0.125
+    assert fast_path.ulp(4.0, torch.bfloat16) == 0.03125
+    assert fast_path.ulp(1.0, torch.float32) == 2.0**-23
 
 
 @pytest.mark.slow  # one tiny compile (~20-40 s of CPU on 2 cores; cached by inductor afterwards)
@@ -129,6 +164,6 @@ def test_fixed_shape_step_uncompiled_reproduces_the_plain_loop():
     plain = [Greedy().generate(model, b, opts) for b in batches]
     fast = fast_path.FastPath(model, device="cpu", max_cache_len=fast_path.max_cache_len(batches, 6) + 7)
     opts.fast_path = fast
-    assert fast_path.check_match(Greedy(), model, batches, opts, plain) == 1.0
+    assert fast_path.check_match(Greedy(), model, batches, opts, plain)["compiled_match"] == 1.0
     assert fast.eager is False and opts.fast_path is fast and fast.compiled_graphs == 0  # nothing compiled
     assert set(fast._caches) == {1, 2}  # one reused cache per batch size
