@@ -1,6 +1,7 @@
-"""Where the milliseconds of one decode step go (torch.profiler), eager and compiled, batch 1.
+"""Where the milliseconds of one decode step go (torch.profiler), eager and compiled.
 
-    flock /tmp/qb-heavy.lock python benchmarks/profile_decode.py [--dtype bfloat16] [--steps 16] [--no-compile]
+    flock /tmp/qb-heavy.lock python benchmarks/profile_decode.py [--dtype bfloat16] [--steps 16] [--batch 8]
+        [--no-compile] [--freezing]
 
 Loads the embedded SmolLM2-135M, prefills one prompt into a static cache, then profiles `--steps`
 decode steps. Prints wall ms per step, the top operators by self CPU time, and the step split into
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--freezing", action="store_true")
+    ap.add_argument("--batch", type=int, default=1, help="rows decoded together (the prompt repeated)")
     args = ap.parse_args(argv)
     quiet_third_party()
     from harness import fast_path
@@ -77,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     exp = build(compose(["model=smollm2_135m", "accuracy.enabled=false"]))
     tok = load_tokenizer(exp.model)
     model = load_pretrained(exp.model, args.dtype, "cpu")
-    ids = torch.tensor([tok("The capital of France is", add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor([tok("The capital of France is", add_special_tokens=False)["input_ids"]]).repeat(args.batch, 1)
+    bsz = args.batch
     width = ids.shape[1]
     max_len = width + 3 + 2 * (args.steps + 3) + 8
-    print(f"# {args.dtype}, {threads} threads, torch {torch.__version__}, prompt {width} tokens, cache {max_len}")
+    print(f"# {args.dtype}, batch {bsz}, {threads} threads, torch {torch.__version__}, prompt {width} tokens, cache {max_len}")
 
     fast = None if args.no_compile else fast_path.FastPath(model, device="cpu", max_cache_len=max_len,
                                                           freezing=args.freezing)
@@ -89,19 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     for label in ["eager"] + ([] if fast is None else ["compiled"]):
         with torch.inference_mode():
             cache = StaticCache(config=model.config, max_cache_len=max_len)
-            mask = torch.ones((1, width), dtype=torch.long)
-            model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(width)[None], cache=cache,
+            mask = torch.ones((bsz, width), dtype=torch.long)
+            model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(width)[None].repeat(bsz, 1), cache=cache,
                   use_cache=True, logits_to_keep=1)
             state = {"n": width, "tok": ids[:, -1:]}
 
             def step(label=label, cache=cache, state=state):
                 n = state["n"]
-                m = torch.ones((1, n + 1), dtype=torch.long)
-                pos = torch.tensor([[n]])
+                m = torch.ones((bsz, n + 1), dtype=torch.long)
+                pos = torch.tensor([[n]]).repeat(bsz, 1)
                 if label == "compiled":
                     logits = fast.step(model, state["tok"], m, pos, cache, torch.tensor([n]))
                 else:
-                    m = torch.cat([m, torch.zeros((1, max_len - n - 1), dtype=torch.long)], dim=1)
+                    m = torch.cat([m, torch.zeros((bsz, max_len - n - 1), dtype=torch.long)], dim=1)
                     logits = model(input_ids=state["tok"], attention_mask=m, position_ids=pos, cache=cache,
                                    use_cache=True, logits_to_keep=1).logits[:, -1, :]
                 state["tok"] = logits.argmax(-1, keepdim=True)

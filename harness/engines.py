@@ -94,6 +94,8 @@ class TransformersEngine:
             path = fast_path.preflight(exp, device)  # compiled | eager | eager-fallback
             tags["fast_path"] = path
             fast = fast_path.prepare(exp, model, opts, batches, path)  # compiles (untimed: metric compile_s)
+            if fast is not None:
+                tags["fast_path.attention"] = "sdpa, packed GQA" if fast.packed_gqa else model.config._attn_implementation
             for _ in range(m.warmup):
                 for batch in batches:
                     exp.strategy.generate(model, batch, opts)

@@ -36,6 +36,9 @@ def test_compile_needs_static_cache_and_a_known_mode(compose):
     with pytest.raises(ConfigError, match="compile_mode.*choose one of: default, reduce-overhead"):
         build(compose([*FAST, *COMPILED, "measure.compile_mode=fastest"]))
     build(compose([*FAST, *COMPILED, "measure.compile_mode=max-autotune-no-cudagraphs"]))
+    with pytest.raises(ConfigError, match="compile_match.*near_tie, strict"):
+        build(compose([*FAST, *COMPILED, "measure.compile_match=loose"]))
+    assert build(compose([*FAST, *COMPILED, "measure.compile_match=strict"])).measure.compile_match == "strict"
 
 
 def test_non_compilable_quantizer_fails_before_loading_or_falls_back_when_asked(compose):
@@ -167,3 +170,30 @@ def test_fixed_shape_step_uncompiled_reproduces_the_plain_loop():
     assert fast_path.check_match(Greedy(), model, batches, opts, plain)["compiled_match"] == 1.0
     assert fast.eager is False and opts.fast_path is fast and fast.compiled_graphs == 0  # nothing compiled
     assert set(fast._caches) == {1, 2}  # one reused cache per batch size
+
+
+def test_packed_gqa_attention_computes_what_sdpa_computes():
+    """The fast path's attention (decode-step query groups packed, no KV copy) equals transformers' SDPA."""
+    from transformers import StaticCache
+
+    from harness.models import TinyRandom, load_pretrained
+
+    model = load_pretrained(TinyRandom(), "float32", "cpu")  # 4 query heads, 2 KV heads
+
+    def prefill_and_step():
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        first = model(input_ids=torch.tensor([[5, 6, 7, 8]]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                      cache=cache, use_cache=True).logits
+        mask = torch.zeros(1, 16, dtype=torch.long)
+        mask[:, :5] = 1
+        step = model(input_ids=torch.tensor([[9]]), attention_mask=mask, position_ids=torch.tensor([[4]]),
+                     cache=cache, use_cache=True).logits
+        return first, step
+
+    with torch.inference_mode():
+        before = prefill_and_step()
+        assert fast_path.use_packed_gqa(model)
+        assert model.config._attn_implementation == fast_path.PACKED_SDPA
+        after = prefill_and_step()
+    for a, b in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
