@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from harness import quiet_third_party  # noqa: E402
+from harness.env import wikitext_dir  # noqa: E402
 
 FLOAT_QUANTIZERS = ("fp32", "bf16")
 LLAMA_FORMATS = ("gguf", "F32", "BF16", "Q8_0", "Q4_0")
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quantizers", default=",".join(FLOAT_QUANTIZERS + tuple(int_quantizers())))
     ap.add_argument("--formats", default=",".join(LLAMA_FORMATS))
-    ap.add_argument("--corpus", default=str(ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"))
+    ap.add_argument("--corpus", default=str(wikitext_dir() / "test.txt"))
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)

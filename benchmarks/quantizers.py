@@ -23,9 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.env import wikitext_dir  # noqa: E402
+
 QUANTIZERS = ["fp32", "bf16", "fp16", "bnb_int8", "torchao_int8", "torchao_int8_dyn", "quanto_int8",
               "bnb_nf4", "bnb_fp4", "quanto_int4", "torchao_int4", "rtn_int4", "gptq_int4", "int8", "int4"]
-WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2"
+WIKITEXT = wikitext_dir()
 
 
 def main() -> None:

@@ -14,6 +14,26 @@ LIBRARIES = ("torch", "transformers", "bitsandbytes", "torchao", "optimum-quanto
              "hqq", "llama_cpp_python", "accelerate", "mlflow", "hydra-core")
 
 
+def wikitext_dir() -> Path:
+    """The shared WikiText-2 folder, read in place (never copied into the project).
+
+    Looked up as `$QUANTBENCH_WIKITEXT`, else `../shared/data/wikitext-2` beside this checkout, else the
+    same beside the checkout this one was cloned from (a CI job cloning the repo elsewhere, e.g. /tmp).
+    Returns the first that exists, or the `../shared` path (so an error names where it was expected).
+    """
+    tail = Path("shared") / "data" / "wikitext-2"
+    candidates = [Path(os.environ["QUANTBENCH_WIKITEXT"])] if os.environ.get("QUANTBENCH_WIKITEXT") else []
+    candidates.append(REPO.parent / tail)
+    try:
+        origin = subprocess.run(["git", "-C", str(REPO), "config", "--get", "remote.origin.url"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        origin = ""
+    if origin and "://" not in origin and ":" not in origin.split("/")[0]:  # a local path, not a URL
+        candidates.append(Path(origin).resolve().parent / tail)
+    return next((c for c in candidates if c.is_dir()), REPO.parent / tail)
+
+
 def versions() -> dict[str, str]:
     out = {}
     for lib in LIBRARIES:

@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from harness import quiet_third_party  # noqa: E402
+from harness.env import wikitext_dir  # noqa: E402
 
 quiet_third_party()
 
@@ -27,7 +28,7 @@ FAST = [
     "accuracy.stride=96",
 ]
 
-SHARED_DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+SHARED_DATA = wikitext_dir()  # $QUANTBENCH_WIKITEXT, ../shared/..., or beside the origin checkout
 
 
 @pytest.fixture(scope="session")

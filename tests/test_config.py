@@ -102,3 +102,13 @@ def test_run_py_prints_one_error_line_and_exits_2(args, expected):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
+
+
+def test_wikitext_is_found_beside_the_checkout_or_where_the_env_says(tmp_path, monkeypatch):
+    from harness.env import wikitext_dir
+
+    monkeypatch.setenv("QUANTBENCH_WIKITEXT", str(tmp_path))
+    assert wikitext_dir() == tmp_path
+    monkeypatch.setenv("QUANTBENCH_WIKITEXT", str(tmp_path / "missing"))
+    found = wikitext_dir()  # a missing override falls through to the checkout's ../shared (or its origin's)
+    assert found != tmp_path / "missing" and found.parts[-3:] == ("shared", "data", "wikitext-2")

@@ -6,16 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 
 from harness import llama_cpp as lc
+from harness.env import wikitext_dir
 from harness.errors import QuantbenchError
 from harness.models import load_tokenizer
 from harness.prompts import PROMPT_SETS
 
 needs_extra = pytest.mark.skipif(not lc.available(), reason="llama-cpp-python extra not installed "
                                  "(scripts/setup.sh --all installs it; CI does)")
-WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"  # read in place, never copied
+WIKITEXT = wikitext_dir() / "test.txt"  # read in place, never copied
 
 
 def _build(compose, overrides):
