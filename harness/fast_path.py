@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 from typing import Any
@@ -273,8 +274,6 @@ def compile_warmup(strategy: Any, model: Any, batches: list[list[list[int]]], op
 
 def ulp(value: float, dtype: torch.dtype) -> float:
     """One unit in the last place of `dtype` at the magnitude of `value`."""
-    import math
-
     mag = max(abs(value), torch.finfo(dtype).tiny)
     return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(mag))
 

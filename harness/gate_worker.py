@@ -88,10 +88,7 @@ class LoadedSide:
         for _ in range(self.exp.measure.repetitions):
             gens.extend(self._pass())
         summary = measure.summarize(gens)
-        steps = [s for g in gens for s in g.step_s]
-        typical = (sum(g.decode_tokens for g in gens) / len(steps)) / measure.percentile(steps, 50) if steps else 0.0
         return {"decode_tokens_per_s": float(summary["decode_tokens_per_s"]),
-                "decode_tokens_per_s_typical": float(typical),
                 "decode_tokens": float(sum(g.decode_tokens for g in gens)),
                 "decode_s": float(sum(g.decode_s for g in gens)),
                 "timed_generations": float(len(gens))}
