@@ -5,21 +5,35 @@ each token is scored at most once, by the window that first covers it, with up t
 `context_length - stride` tokens of left context from the overlap (the first token of each window has
 no context inside it and is not scored).
 
-KL(reference || run) needs the reference's distribution at every scored token, but a 49k-vocabulary
-model would need ~200 KB per token for it. The reference pass (same model, unquantized, in
-`reference_dtype`) therefore keeps only its top-k log-probs per token plus the remaining "tail" mass, in
-a safetensors file keyed by (model, corpus, context, stride, dtype, k): a sweep computes it once and no
-full-vocabulary logits ever reach the disk. KL is then computed over k+1 outcomes (the top-k tokens and
-one bucket for the rest). Merging outcomes can only lower a KL divergence, so this is a lower bound of
-the full KL that is exact when the tail mass is negligible; with k=256 the tail holds well under 1% of
-the mass for a trained model. The reference against itself gives exactly 0, and top-1 agreement is
-exact (the reference's argmax is stored).
+KL(p || q), p the reference's distribution (same model, unquantized, in `reference_dtype`) and q the
+run's, needs p over the whole vocabulary at every scored token: 200 KB per token for a 49k vocabulary.
+The reference pass stores what p is computed from instead, in a safetensors record keyed by (record
+format, model, corpus, accuracy settings, library versions), so a sweep computes it once:
+
+- `accuracy.kl_reference=exact` (default): h, the input of the output layer (the final hidden state,
+  `hidden_size` values per token: 2.3 KB for SmolLM2 in fp32). p = softmax(W h + b), with W, b the output
+  layer read in `reference_dtype` from the model's cached safetensors directory (pinned by a sha256 in
+  the record), so KL is summed over the whole vocabulary, in float64: exact. The record is only written
+  after checking, window by window, that F.linear(h, W, b) reproduces the reference's own logits (the
+  largest difference is stored; bit-identical on CPU). A model whose logits get further processing
+  (final_logit_softcapping, a logit scale) fails that check and falls back, with a warning, to:
+- `accuracy.kl_reference=topk`: the top-k log-probs per token (k = `kl_top_k`) plus one bucket for the
+  tail mass P (Q for the run). KL over these k+1 outcomes is a lower bound: merging outcomes hides
+  sum_tail p_i log(p_i/q_i) - P log(P/Q). Every tail p_i is <= p_k (the smallest stored probability)
+  and they sum to P; the convex first term is largest at a vertex of that set: p_k on the smallest q_i
+  until P is used up. `kl_div_tail_bound` is the mean of that bound (hidden KL <= bound), so the full KL
+  lies in [kl_div_mean, kl_div_mean + kl_div_tail_bound]; `kl_ref_tail_mass` is the mean of P.
+  Both metrics are 0 for an exact record.
+
+Top-1 agreement is exact in both modes (the reference's argmax is stored); the reference against itself
+gives KL exactly 0.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -32,7 +46,12 @@ from harness.config import AccuracyConfig
 from harness.errors import QuantbenchError
 from harness.measure import model_grad_mode
 
+log = logging.getLogger("quantbench")
+
 BUILTIN_CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+# 1: top-k + tail bucket, no metadata (before issue 17). 2: exact or top-k, the mode in the metadata.
+RECORD_FORMAT = "2"
+_ROWS = 128  # tokens per float64 chunk: 128 x 49152 x 8 B = 50 MB per temporary
 
 
 def load_corpus(spec: str) -> str:
@@ -91,58 +110,248 @@ def windows(n_tokens: int, context: int, stride: int, scoring: str = "all") -> l
         begin += stride
 
 
+def _scored(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, desc: str, progress: bool,
+            capture_hidden: bool = False):
+    """Yield (targets, logits, hidden) for the scored positions of each window.
+
+    `hidden` is the input of the output layer at those positions (captured by a hook), else None.
+    """
+    tokens = torch.tensor(ids, dtype=torch.long, device=device)
+    spans = windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring)
+    if progress:
+        from tqdm import tqdm
+
+        spans = tqdm(spans, desc=desc, unit="window", leave=False)
+    seen: dict[str, torch.Tensor] = {}
+    hook = None
+    if capture_hidden:
+        hook = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.update(h=args[0]))
+    try:
+        for begin, end, n_new in spans:
+            logits = model(input_ids=tokens[None, begin:end]).logits[0, -n_new - 1:-1]
+            hidden = seen.pop("h")[0, -n_new - 1:-1] if capture_hidden else None
+            yield tokens[end - n_new:end], logits, hidden
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def _n_scored(n_tokens: int, cfg: AccuracyConfig) -> int:
+    return sum(n for _, _, n in windows(n_tokens, cfg.context_length, cfg.stride, cfg.scoring))
+
+
+# ------------------------------------------------------------------------------------- the KL per token
+
+
+def _kl_full(lp: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row over the whole vocabulary, float64; `lp` holds the reference log-probs."""
+    lq = torch.log_softmax(q_logits.double(), dim=-1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
 def _tail_logp(top_lp: torch.Tensor) -> torch.Tensor:
     """log of the mass outside the top-k (float64; clamped so an all-mass top-k stays finite)."""
     mass = top_lp.double().exp().sum(-1)
     return torch.log1p(-mass.clamp(max=1 - 1e-12))
 
 
+def _kl_topk(r_lp: torch.Tensor, r_idx: torch.Tensor, q_logits: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: KL over the top-k + tail bucket (a lower bound), the tail mass P, and the most KL the
+    bucket can hide (module docstring)."""
+    r_lp, r_idx = r_lp.double(), r_idx.long()
+    lq = torch.log_softmax(q_logits.double(), dim=-1)
+    q_lp = lq.gather(-1, r_idx)
+    # Q summed over the tail itself: 1 - sum(top q) loses all its digits when the top-k hold nearly all of q
+    p_tail_lp, q_tail_lp = _tail_logp(r_lp), lq.scatter(-1, r_idx, float("-inf")).logsumexp(-1)
+    p_tail = p_tail_lp.exp()
+    kl = (r_lp.exp() * (r_lp - q_lp)).sum(-1) + p_tail * (p_tail_lp - q_tail_lp)
+    n_tail = lq.shape[-1] - r_idx.shape[-1]
+    if n_tail <= 0:
+        return kl.clamp(min=0.0), torch.zeros_like(kl), torch.zeros_like(kl)
+    # the worst tail: m tokens at the cap c = p_k, one at the remainder r, on the smallest q (ascending)
+    cap_lp = r_lp.min(-1).values
+    m = torch.floor(p_tail / cap_lp.exp()).clamp(max=n_tail - 1).long()
+    # the m+1 smallest tail log q, ascending (stored tokens set to +inf never come first)
+    lq_tail = lq.scatter(-1, r_idx, float("inf")).topk(int(m.max()) + 1, dim=-1, largest=False).values
+    r = (p_tail - m * cap_lp.exp()).clamp(min=0.0)
+    csum = torch.cat([torch.zeros_like(kl)[:, None], lq_tail.cumsum(-1)], dim=-1)
+    worst = (m * cap_lp.exp() * cap_lp - cap_lp.exp() * csum.gather(-1, m[:, None])[:, 0]
+             + torch.xlogy(r, r) - r * lq_tail.gather(-1, m[:, None])[:, 0])
+    bound = worst - torch.xlogy(p_tail, p_tail) + p_tail * q_tail_lp
+    bound = torch.where(p_tail > 0, bound, 0.0)  # no tail mass, nothing hidden (and no 0 x inf)
+    return kl.clamp(min=0.0), p_tail, bound.clamp(min=0.0)
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+
+
 @model_grad_mode  # inference_mode, or no_grad where the quantizer needs it
 def score(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, reference: dict | None = None,
-          keep_top_k: int = 0, progress: bool = False) -> dict[str, Any]:
-    """Score the corpus. With `keep_top_k` return the reference record; with `reference` compare to it."""
-    tokens = torch.tensor(ids, dtype=torch.long, device=device)
+          progress: bool = False) -> dict[str, Any]:
+    """Perplexity of `model` on `ids`; with `reference` (from `ensure_reference`) also KL and agreement."""
+    exact = reference is not None and reference["meta"]["mode"] == "exact"
+    if reference is not None and (n := _n_scored(len(ids), cfg)) != len(reference["argmax"]):
+        raise QuantbenchError(f"the reference record scores {len(reference['argmax'])} tokens, this corpus "
+                              f"{n}: it was built for other settings; delete {reference['meta'].get('path')}")
+    head = _load_head(reference["meta"], device) if exact else None
     nll_sum, n = 0.0, 0
-    top_lp, top_idx, argmaxes, kls, agree = [], [], [], [], []
-    offset = 0  # index into the reference's per-token arrays
-    spans = windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring)
-    iterator = spans
-    if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(spans, desc="perplexity", unit="window", leave=False)
-    for begin, end, n_new in iterator:
-        logits = model(input_ids=tokens[None, begin:end]).logits[0, -n_new - 1:-1].float()
+    kls, tails, bounds, agree = [], [], [], []
+    for target, logits, _ in _scored(model, ids, cfg, device, "perplexity", progress):
+        logits = logits.float()
         logp = torch.log_softmax(logits, dim=-1)
-        target = tokens[end - n_new:end]
         nll_sum += float(-logp.gather(-1, target[:, None]).sum())
-        n += n_new
-        if keep_top_k:
-            vals, idx = logp.topk(keep_top_k, dim=-1)
-            top_lp.append(vals.cpu())
-            top_idx.append(idx.to(torch.int32).cpu())
-            argmaxes.append(logp.argmax(-1).cpu())
         if reference is not None:
-            r_lp = reference["top_lp"][offset:offset + n_new].double()
-            r_idx = reference["top_idx"][offset:offset + n_new].long()
-            q_lp = logp.cpu().double().gather(-1, r_idx)
-            p = r_lp.exp()
-            kl = (p * (r_lp - q_lp)).sum(-1)
-            p_tail_lp, q_tail_lp = _tail_logp(r_lp), _tail_logp(q_lp)
-            kl = kl + p_tail_lp.exp() * (p_tail_lp - q_tail_lp)
-            kls.append(kl.clamp(min=0.0))
-            agree.append((logp.argmax(-1).cpu() == reference["argmax"][offset:offset + n_new]).double())
-        offset += n_new
+            for i in range(0, len(target), _ROWS):
+                rows = slice(n + i, n + min(i + _ROWS, len(target)))
+                q = logits[i:i + _ROWS]
+                if exact:
+                    lp = torch.log_softmax(_ref_logits(reference["hidden"][rows], head).double(), dim=-1)
+                    kls.append(_kl_full(lp, q).cpu())
+                else:
+                    kl, tail, bound = _kl_topk(reference["top_lp"][rows].to(q.device),
+                                               reference["top_idx"][rows].to(q.device), q)
+                    kls.append(kl.cpu())
+                    tails.append(tail.cpu())
+                    bounds.append(bound.cpu())
+            agree.append((logp.argmax(-1).cpu() == reference["argmax"][n:n + len(target)]).double())
+        n += len(target)
     out: dict[str, Any] = {"perplexity": float(np.exp(nll_sum / n)), "scored_tokens": n}
-    if keep_top_k:
-        out["record"] = {"top_lp": torch.cat(top_lp), "top_idx": torch.cat(top_idx), "argmax": torch.cat(argmaxes),
-                         "perplexity": torch.tensor([out["perplexity"]], dtype=torch.float64)}
     if reference is not None:
-        kl_all = torch.cat(kls)
+        kl_all = torch.cat(kls).clamp(min=0.0)
         out["kl_div_mean"] = float(kl_all.mean())
         out["kl_div_p99"] = float(torch.quantile(kl_all, 0.99))
         out["top1_agreement"] = float(torch.cat(agree).mean())
+        out["kl_ref_tail_mass"] = float(torch.cat(tails).mean()) if tails else 0.0
+        out["kl_div_tail_bound"] = float(torch.cat(bounds).mean()) if bounds else 0.0
     return out
+
+
+# ------------------------------------------------------------------------------ the reference's output layer
+
+
+def _ref_logits(hidden: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    weight, bias = head
+    return torch.nn.functional.linear(hidden.to(weight.device, weight.dtype), weight, bias)
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _read_tensor(path: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
+    from safetensors import safe_open  # safetensors: never unpickles
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(name).to(dtype)
+
+
+def _locate_head(model: Any, local_dir: Path, dtype: torch.dtype) -> tuple[dict, str]:
+    """Where the output layer's weights are on disk: (metadata, "") or ({}, why not)."""
+    from safetensors import safe_open
+
+    out = model.get_output_embeddings()
+    if not isinstance(out, torch.nn.Linear):
+        return {}, f"the output layer is a {type(out).__name__}, not a plain Linear"
+    params = dict(model.named_parameters(remove_duplicate=False))
+    meta = {"head_dtype": str(dtype).removeprefix("torch.")}
+    for part, tensor in (("weight", out.weight), ("bias", out.bias)):
+        if tensor is None:
+            meta["head_bias"] = ""
+            continue
+        names = sorted(n for n, p in params.items() if p is tensor)  # tied: the input embedding's name too
+        found = []
+        for file in sorted(local_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                found += [(file.name, n) for n in names if n in f.keys()]
+        if not found:
+            return {}, f"no tensor named {' or '.join(names)} in {local_dir}"
+        meta[f"head_file_{part}"], meta[f"head_{part}"] = found[0]
+        on_disk = _read_tensor(local_dir / found[0][0], found[0][1], dtype)
+        if not torch.equal(on_disk, tensor.detach().cpu()):
+            return {}, f"{found[0][1]} in {local_dir} differs from the loaded model's output layer"
+        meta[f"head_sha256_{part}"] = _sha256(on_disk)
+    return meta, ""
+
+
+def _load_head(meta: dict, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference's output layer from the model directory, checked against the record's sha256."""
+    dtype = getattr(torch, meta["head_dtype"])
+    parts = []
+    for part in ("weight", "bias"):
+        if not meta.get(f"head_{part}"):
+            parts.append(None)
+            continue
+        path = Path(meta["model_dir"]) / meta[f"head_file_{part}"]
+        tensor = _read_tensor(path, meta[f"head_{part}"], dtype)
+        if _sha256(tensor) != meta[f"head_sha256_{part}"]:
+            raise QuantbenchError(f"{meta[f'head_{part}']} in {path} is not the output layer the reference record "
+                                  f"{meta.get('path')} was built with; delete that record to rebuild it")
+        parts.append(tensor.to(device))
+    return parts[0], parts[1]
+
+
+# ------------------------------------------------------------------------------------ the reference record
+
+
+@model_grad_mode
+def _reference_pass(model: Any, ids: list[int], cfg: AccuracyConfig, device: str,
+                    head: tuple[torch.Tensor, torch.Tensor | None] | None) -> tuple[dict, float, float]:
+    """One pass of the reference model: perplexity, argmax, top-k and (with `head`) the hidden states.
+
+    Returns (tensors, max |recomputed - own logits|, max |logit|); the caller keeps the hidden states only
+    when that difference is within rounding, else the top-k.
+    """
+    nll_sum, n, worst, largest = 0.0, 0, 0.0, 0.0
+    top_lp, top_idx, argmax, hidden = [], [], [], []
+    k = min(cfg.kl_top_k, model.get_output_embeddings().out_features)
+    for target, logits, h in _scored(model, ids, cfg, device, "reference", True, capture_hidden=head is not None):
+        if head is not None:
+            for i in range(0, len(target), _ROWS):  # the same chunks as `score` recomputes
+                again = _ref_logits(h[i:i + _ROWS], head)
+                worst = max(worst, float((again.float() - logits[i:i + _ROWS].float()).abs().max()))
+            largest = max(largest, float(logits.float().abs().max()))
+            hidden.append(h.cpu())
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        nll_sum += float(-logp.gather(-1, target[:, None]).sum())
+        n += len(target)
+        vals, idx = logp.topk(k, dim=-1)
+        top_lp.append(vals.cpu())
+        top_idx.append(idx.to(torch.int32).cpu())
+        argmax.append(logp.argmax(-1).cpu())
+    record = {"top_lp": torch.cat(top_lp), "top_idx": torch.cat(top_idx), "argmax": torch.cat(argmax),
+              "perplexity": torch.tensor([float(np.exp(nll_sum / n))], dtype=torch.float64)}
+    if head is not None:
+        record["hidden"] = torch.cat(hidden)
+    return record, worst, largest
+
+
+def build_reference(source: Any, tokenizer: Any, cfg: AccuracyConfig, device: str) -> tuple[dict, dict]:
+    """Run the reference model over the corpus; returns (tensors, metadata) of the record to store."""
+    from harness.models import load_pretrained, torch_dtype
+
+    ref_model = load_pretrained(source, cfg.reference_dtype, device)
+    ids = corpus_tokens(tokenizer, cfg.corpus, cfg.max_tokens)
+    meta, why, head = {}, "accuracy.kl_reference=topk", None
+    if cfg.kl_reference == "exact":
+        meta, why = _locate_head(ref_model, source.local_dir(), torch_dtype(cfg.reference_dtype))
+        if meta:
+            out = ref_model.get_output_embeddings()
+            head = (out.weight.detach(), None if out.bias is None else out.bias.detach())
+    record, worst, largest = _reference_pass(ref_model, ids, cfg, device, head)
+    del ref_model
+    if head is not None:
+        # a few ulps of the largest logit: rounding of a differently blocked matmul, nothing systematic
+        tol = 4 * torch.finfo(head[0].dtype).eps * max(1.0, largest)
+        if worst <= tol:
+            meta.update(mode="exact", logit_max_abs_diff=repr(worst))
+            return {k: record[k] for k in ("hidden", "argmax", "perplexity")}, meta
+        why = (f"recomputing the logits from the output layer's input misses them by up to {worst:.3g} "
+               "(extra logit processing such as final_logit_softcapping?)")
+    if cfg.kl_reference == "exact":
+        log.warning("accuracy: exact KL is not available for this model (%s); falling back to the top-%d "
+                    "record, a lower bound: see metrics kl_ref_tail_mass and kl_div_tail_bound", why, cfg.kl_top_k)
+    return {k: record[k] for k in ("top_lp", "top_idx", "argmax", "perplexity")}, {"mode": "topk", "why": why}
 
 
 def reference_key(model_identity: dict, cfg: AccuracyConfig) -> str:
@@ -150,6 +359,7 @@ def reference_key(model_identity: dict, cfg: AccuracyConfig) -> str:
 
     corpus_text = load_corpus(cfg.corpus)
     key = {
+        "format": RECORD_FORMAT,
         "model": model_identity, "corpus": hashlib.sha256(corpus_text.encode()).hexdigest(),
         "accuracy": {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "kl")},
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -164,35 +374,50 @@ def reference_path(model_identity: dict, cfg: AccuracyConfig) -> Path:
 
 
 def load_reference(path: Path) -> dict | None:
-    from safetensors.torch import load_file  # safetensors: never unpickles
+    """The record at `path` with its metadata under "meta"; None if absent or of another format."""
+    from safetensors import safe_open  # safetensors: never unpickles
 
-    return load_file(str(path)) if path.is_file() else None
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+        if meta.get("format") != RECORD_FORMAT:  # an older layout is never read as this one
+            return None
+        record: dict[str, Any] = {k: f.get_tensor(k) for k in f.keys()}
+    record["meta"] = {**meta, "path": str(path)}
+    return record
 
 
-def save_reference(path: Path, record: dict) -> None:
+def save_reference(path: Path, record: dict, meta: dict) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in record.items()}, str(tmp))
+    save_file({k: v.contiguous() for k, v in record.items()}, str(tmp),
+              metadata={**{k: str(v) for k, v in meta.items()}, "format": RECORD_FORMAT})
     os.replace(tmp, path)
 
 
 def ensure_reference(source: Any, tokenizer: Any, cfg: AccuracyConfig, device: str) -> tuple[dict, bool]:
     """Return the reference record for this (model, corpus, settings), computing it on a cache miss.
 
-    Returns (record, cache_hit). Called before the run's own model is loaded, so the reference model is
-    freed before peak memory is measured.
+    Returns (record, cache_hit); record["meta"] says how to read it. Called before the run's own model is
+    loaded, so the reference model is freed before peak memory is measured.
     """
     path = reference_path(source.identity(), cfg)
     record = load_reference(path)
+    if record is not None and record["meta"]["mode"] == "exact":
+        record["meta"]["model_dir"] = str(source.local_dir())
+        try:
+            _load_head(record["meta"], "cpu")  # the model directory still holds that output layer
+        except QuantbenchError as exc:
+            log.warning("accuracy: rebuilding the reference record: %s", exc)
+            record = None
     if record is not None:
         return record, True
-    from harness.models import load_pretrained
-
-    ref_model = load_pretrained(source, cfg.reference_dtype, device)
-    ids = corpus_tokens(tokenizer, cfg.corpus, cfg.max_tokens)
-    record = score(ref_model, ids, cfg, device, keep_top_k=cfg.kl_top_k, progress=True)["record"]
-    del ref_model
-    save_reference(path, record)
+    tensors, meta = build_reference(source, tokenizer, cfg, device)
+    save_reference(path, tensors, meta)
+    record = load_reference(path)
+    assert record is not None
+    record["meta"]["model_dir"] = str(source.local_dir())
     return record, False

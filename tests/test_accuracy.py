@@ -1,0 +1,162 @@
+"""KL divergence against the reference: the exact record matches a full-vocabulary KL computed here, the
+top-k record is a lower bound with an honest bound on what it hides, and stale records are never misread.
+
+The tiny model's vocabulary (259) is larger than the k used here (8), so the top-k bucket loses real KL.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from harness import accuracy as acc
+from harness.config import build
+from harness.errors import ConfigError
+from tests.conftest import FAST
+
+K = 8
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    """A private cache root: this file's records never meet anyone else's."""
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _setup(compose, *overrides):
+    from harness.models import load_tokenizer
+
+    exp = build(compose([*FAST, f"accuracy.kl_top_k={K}", *overrides]))
+    tok = load_tokenizer(exp.model)
+    return exp, tok, acc.corpus_tokens(tok, exp.accuracy.corpus, exp.accuracy.max_tokens)
+
+
+@torch.inference_mode()
+def _full_vocab(ref_model, model, ids, cfg):
+    """Per scored token: full-vocabulary KL(ref || model) in float64, ref tail mass outside its top-K,
+    whether the argmaxes agree. Written without harness.accuracy's KL code."""
+    kl, tail, agree = [], [], []
+    x = torch.tensor(ids)[None]
+    for begin, end, n in acc.windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring):
+        lp = torch.log_softmax(ref_model(input_ids=x[:, begin:end]).logits[0, -n - 1:-1].double(), -1)
+        lq = torch.log_softmax(model(input_ids=x[:, begin:end]).logits[0, -n - 1:-1].double(), -1)
+        kl.append((lp.exp() * (lp - lq)).sum(-1))
+        tail.append(1 - lp.exp().topk(K, -1).values.sum(-1))
+        agree.append((lp.argmax(-1) == lq.argmax(-1)).double())
+    return torch.cat(kl), torch.cat(tail), torch.cat(agree)
+
+
+def test_exact_kl_equals_full_vocabulary_kl(compose, cache):
+    """Fails with the top-k-only record: bf16 rounding spreads KL over the whole vocabulary."""
+    from harness.models import load_pretrained
+
+    exp, tok, ids = _setup(compose)
+    reference, hit = acc.ensure_reference(exp.model, tok, exp.accuracy, "cpu")
+    assert not hit and reference["meta"]["mode"] == "exact"
+    assert reference["hidden"].shape == (acc._n_scored(len(ids), exp.accuracy), exp.model.hidden_size)
+    ref_model = load_pretrained(exp.model, "float32", "cpu")
+    model = load_pretrained(exp.model, "bfloat16", "cpu")
+    got = acc.score(model, ids, exp.accuracy, "cpu", reference=reference)
+    kl, _, agree = _full_vocab(ref_model, model, ids, exp.accuracy)
+    assert kl.mean() > 1e-5  # bf16 really differs
+    assert got["kl_div_mean"] == pytest.approx(float(kl.mean()), rel=1e-6)
+    assert got["kl_div_p99"] == pytest.approx(float(torch.quantile(kl, 0.99)), rel=1e-6)
+    assert got["top1_agreement"] == pytest.approx(float(agree.mean()), abs=1e-12)
+    assert got["kl_ref_tail_mass"] == 0.0 and got["kl_div_tail_bound"] == 0.0
+    # the reference against its own record: exactly 0, not a rounding residue
+    same = acc.score(ref_model, ids, exp.accuracy, "cpu", reference=reference)
+    assert same["kl_div_mean"] == 0.0 and same["top1_agreement"] == 1.0
+    assert same["perplexity"] == pytest.approx(float(reference["perplexity"][0]), rel=1e-12)
+
+
+def test_topk_record_is_a_lower_bound_with_a_true_upper_bound(compose, cache):
+    from harness.models import load_pretrained
+
+    exp, tok, ids = _setup(compose, "accuracy.kl_reference=topk")
+    reference, _ = acc.ensure_reference(exp.model, tok, exp.accuracy, "cpu")
+    assert reference["meta"]["mode"] == "topk" and "hidden" not in reference
+    ref_model = load_pretrained(exp.model, "float32", "cpu")
+    model = load_pretrained(exp.model, "bfloat16", "cpu")
+    got = acc.score(model, ids, exp.accuracy, "cpu", reference=reference)
+    kl, tail, _ = _full_vocab(ref_model, model, ids, exp.accuracy)
+    assert got["kl_div_mean"] < 0.9 * float(kl.mean())  # the bucket hides real KL here ...
+    assert float(kl.mean()) <= got["kl_div_mean"] + got["kl_div_tail_bound"]  # ... but no more than it says
+    assert got["kl_ref_tail_mass"] == pytest.approx(float(tail.mean()), rel=1e-6)
+
+
+def test_tail_bound_holds_per_token_and_is_attained():
+    """`_kl_topk` on hand-made distributions: KL_topk <= KL <= KL_topk + bound, with equality on the right
+    for the worst tail (every tail probability at the cap, on the smallest q)."""
+    torch.manual_seed(0)
+    vocab, k = 40, 4
+    q_logits = torch.randn(64, vocab, dtype=torch.float64) * 3
+    lq = torch.log_softmax(q_logits, -1)
+    p = torch.softmax(torch.randn(64, vocab, dtype=torch.float64) * 3, -1)
+    # the last row: the worst case the bound describes (stored tokens 0..3, cap 0.06 on the smallest q)
+    worst = torch.zeros(vocab, dtype=torch.float64)
+    worst[:k] = torch.tensor([0.5, 0.2, 0.1, 0.06], dtype=torch.float64)
+    order = lq[-1, k:].argsort() + k
+    worst[order[:2]], worst[order[2]] = 0.06, 0.08 - 0.06  # 2 at the cap, the remainder 0.02 on the third
+    p[-1] = worst
+    idx = p.topk(k, -1).indices
+    idx[-1] = torch.arange(k)
+    r_lp = p.log().gather(-1, idx)
+    kl_k, tail, bound = acc._kl_topk(r_lp, idx, q_logits)
+    full = (torch.xlogy(p, p) - p * lq).sum(-1)
+    assert torch.all(kl_k <= full + 1e-12) and torch.all(full <= kl_k + bound + 1e-12)
+    assert tail[-1] == pytest.approx(0.14, abs=1e-12)
+    assert float(kl_k[-1] + bound[-1]) == pytest.approx(float(full[-1]), rel=1e-9)
+
+
+def test_softcapped_logits_fall_back_loudly_to_topk(cache, tmp_path, caplog):
+    """A model whose logits are not Linear(hidden) (Gemma 2's final_logit_softcapping) cannot have an exact
+    record: the reference pass notices, warns, and stores the top-k record with its bound instead."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from harness.config import AccuracyConfig
+    from harness.models import HFModel, byte_tokenizer
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, final_logit_softcapping=2.0,
+                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    tok = byte_tokenizer()
+    tok.save_pretrained(tmp_path / "gemma2")
+    source = HFModel(name_or_path=str(tmp_path / "gemma2"), dtype="float32")
+    cfg = AccuracyConfig(max_tokens=200, context_length=64, stride=64, kl_top_k=K)
+    with caplog.at_level(logging.WARNING, logger="quantbench"):
+        reference, _ = acc.ensure_reference(source, tok, cfg, "cpu")
+    assert reference["meta"]["mode"] == "topk"
+    assert "exact KL is not available" in caplog.text and "softcapping" in caplog.text
+
+
+def test_old_or_stale_records_are_rebuilt_not_misread(compose, cache):
+    from safetensors.torch import save_file
+
+    exp, tok, ids = _setup(compose)
+    path = acc.reference_path(exp.model.identity(), exp.accuracy)
+    n = acc._n_scored(len(ids), exp.accuracy)
+    # the layout before the exact record (top-k only, no format metadata), at this very path
+    save_file({"top_lp": torch.zeros(n, K), "top_idx": torch.zeros(n, K, dtype=torch.int32),
+               "argmax": torch.zeros(n, dtype=torch.long), "perplexity": torch.ones(1, dtype=torch.float64)},
+              str(path.parent.mkdir(parents=True, exist_ok=True) or path))
+    reference, hit = acc.ensure_reference(exp.model, tok, exp.accuracy, "cpu")
+    assert not hit and reference["meta"]["mode"] == "exact"
+    assert acc.ensure_reference(exp.model, tok, exp.accuracy, "cpu")[1]  # now a hit
+    # a record whose output layer no longer matches the model directory is rebuilt too
+    tensors = {k: v for k, v in reference.items() if k != "meta"}
+    meta = {k: v for k, v in reference["meta"].items() if k not in ("path", "model_dir", "format")}
+    acc.save_reference(path, tensors, {**meta, "head_sha256_weight": "0" * 64})
+    assert not acc.ensure_reference(exp.model, tok, exp.accuracy, "cpu")[1]
+    # the record format and the new setting are part of the key
+    other = build(compose([*FAST, f"accuracy.kl_top_k={K}", "accuracy.kl_reference=topk"])).accuracy
+    assert acc.reference_path(exp.model.identity(), other) != path
+
+
+def test_kl_reference_must_be_exact_or_topk(compose):
+    with pytest.raises(ConfigError, match="accuracy.kl_reference='full' is not allowed; choose one of: exact, topk"):
+        build(compose([*FAST, "accuracy.kl_reference=full"]))
