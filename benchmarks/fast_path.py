@@ -9,6 +9,9 @@ Batch 8 uses the `static_batch` strategy when strategies/ has one, else a left-p
 prompt set (repeated to 8 rows) through the shared decode loop. The llama.cpp column needs the peer
 engine (engine=llama_cpp + llama-cpp-python); without it the column says n/a. `--explore` adds compiled
 variant with inductor freezing at bf16 batch 1 (`--explore-more`: max-autotune-no-cudagraphs, 1 thread).
+The kernel column is tag `kernel.linear`: the matmul operator that dominated a profiled decode step.
+Per-format kernel paths at batch 1 against llama.cpp: benchmarks/cpu_kernels.py. `--smoke`: tiny
+model, fp32, eager paths, no llama.cpp (seconds).
 """
 
 from __future__ import annotations
@@ -123,7 +126,8 @@ def run_cell(quantizer: str, batch: int, path: list[str], common: list[str], eng
         result = runner.execute(exp)
     except Exception as exc:  # noqa: BLE001 - one failed cell must not lose the table
         return {"error": str(exc).splitlines()[0][:160], "wall_s": time.perf_counter() - t0}
-    return {**result.metrics, "fast_path": result.tags.get("fast_path", ""), "wall_s": time.perf_counter() - t0}
+    return {**result.metrics, "fast_path": result.tags.get("fast_path", ""), "wall_s": time.perf_counter() - t0,
+            "kernel": result.tags.get("kernel.linear", "")}
 
 
 def llama_cpp_ok() -> str:
@@ -157,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--model", default="smollm2_135m", help="model option (tiny_random for a dry run)")
     ap.add_argument("--paths", default=",".join(PATHS), help="subset of: " + ", ".join(PATHS))
+    ap.add_argument("--smoke", action="store_true", help="tiny model, fp32, eager paths, no llama.cpp (seconds)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.model, args.formats, args.batches, args.paths = "tiny_random", "fp32", "1", "eager/dynamic,eager/static"
+        args.no_llama_cpp, args.max_new_tokens, args.repetitions = True, 8, 1
     quiet_third_party()
     common = ["accuracy.enabled=false", "tracking.enabled=false", f"measure.max_new_tokens={args.max_new_tokens}",
               f"measure.repetitions={args.repetitions}", "measure.warmup=1"]
@@ -204,20 +212,23 @@ def main(argv: list[str] | None = None) -> int:
                                            f"compile {fmt(r.get('compile_s'))} s, wall {r['wall_s']:.0f} s"),
                       file=sys.stderr, flush=True)
 
-    print("\n| format | batch | path | decode tok/s (p10-p90) | vs eager/dynamic | roofline fraction | "
+    from harness.env import cpu_info
+
+    print(f"\n# CPU: {cpu_info().describe()}")
+    print("| format | batch | path | kernel.linear | decode tok/s (p10-p90) | vs eager/dynamic | roofline fraction | "
           "vs llama.cpp | compile_s | compiled_match |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base = {}
     for label, batch, path_label, r, peer_tps in rows:
         tps = r.get("decode_tokens_per_s")
         if path_label == "eager/dynamic":
             base[(label, batch)] = tps
         if "error" in r:
-            print(f"| {label} | {batch} | {path_label} | FAILED: {r['error']} | | | | | |")
+            print(f"| {label} | {batch} | {path_label} | | FAILED: {r['error']} | | | | | |")
             continue
         b = base.get((label, batch))
         spread = f"{fmt(tps)} ({fmt(r.get('decode_tokens_per_s_p10'))}-{fmt(r.get('decode_tokens_per_s_p90'))})"
-        print(f"| {label} | {batch} | {path_label} | {spread} | "
+        print(f"| {label} | {batch} | {path_label} | {r.get('kernel', '')} | {spread} | "
               f"{fmt(tps / b if b and tps else None, '.2f')}x | {fmt(r.get('roofline_fraction'), '.2f')} | "
               f"{fmt(tps / peer_tps if peer_tps and tps else None, '.2f')} | {fmt(r.get('compile_s'))} | "
               f"{match_cell(r)} |")

@@ -55,7 +55,8 @@ def run_row(overrides: list[str]) -> dict:
     except Exception as exc:  # noqa: BLE001 - the table matters more than the log
         print(f"# tracking failed: {exc}", file=sys.stderr)
     row = {**result.metrics, "status": result.status, "error": result.error, "wall_s": time.perf_counter() - t0,
-           "warning": result.tags.get("warning.slow_kernel", "")}
+           "warning": result.tags.get("warning.slow_kernel", ""), "kernel": result.tags.get("kernel.linear", ""),
+           "resolved": result.tags.get("quantizer.resolved", "")}
     return row
 
 
@@ -71,17 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, fp32 only, no llama.cpp (seconds)")
     args = ap.parse_args(argv)
     quiet_third_party()
     from harness import llama_cpp, roofline
     from harness.config import register_configs
 
     register_configs()
-    common = ["model=smollm2_135m", "strategy=greedy", "measure.device=cpu", f"measure.threads={args.threads}",
+    model, tokens, window = "smollm2_135m", 4096, 512
+    if args.smoke:
+        model, tokens, window, args.corpus, args.formats, args.quantizers = "tiny_random", 256, 64, "builtin", "", "fp32"
+        args.max_new_tokens, args.repetitions = 8, 1
+    common = [f"model={model}", "strategy=greedy", "measure.device=cpu", f"measure.threads={args.threads}",
               f"measure.max_new_tokens={args.max_new_tokens}", f"measure.repetitions={args.repetitions}",
-              f"accuracy.corpus={args.corpus}", "accuracy.max_tokens=4096", "accuracy.context_length=512",
-              "accuracy.stride=512", "accuracy.scoring=second_half", "accuracy.kl=false",
-              "tracking.experiment=peers"]
+              f"accuracy.corpus={args.corpus}", f"accuracy.max_tokens={tokens}", f"accuracy.context_length={window}",
+              f"accuracy.stride={window}", "accuracy.scoring=second_half", "accuracy.kl=false",
+              "tracking.experiment=peers"] + (["tracking.enabled=false"] if args.smoke else [])
     rows: list[tuple[str, str, dict]] = []
     notes: list[str] = []
     for q in [q for q in args.quantizers.split(",") if q]:
@@ -101,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     for i, (_, _, r) in enumerate(ok):
         r["warning"] = r["warning"] or table_flags.get(i, "")
     peers = [(c, r) for e, c, r in ok if e == "llama.cpp"]
-    print("| engine | config | MB/step | decode tok/s | prefill tok/s | ppl | peer | decode / llama.cpp "
+    from harness.env import cpu_info
+
+    print(f"CPU: {cpu_info().describe()}")
+    print("| engine | config | kernel.linear | MB/step | decode tok/s | prefill tok/s | ppl | peer | decode / llama.cpp "
           "| prefill / llama.cpp | ppl / llama.cpp | roofline tok/s | of bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for engine, config, r in rows:
         if r["status"] != "OK":
             notes.append(f"{engine} {config}: {r['status']} {r['error'][:200]}")
@@ -113,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def ratio(k: str, r: dict = r, peer: tuple | None = peer) -> float:
             return r[k] / peer[1][k] if peer and k in r and k in peer[1] else float("nan")
-        print(f"| {engine} | {config} | {r['bytes_per_step'] / 1e6:.0f} | {fmt(r['decode_tokens_per_s'])} "
+        name = f"{config} ({r['resolved']})" if r.get("resolved") and r["resolved"] != config else config
+        print(f"| {engine} | {name} | {r['kernel'] or ('ggml' if engine == 'llama.cpp' else '')} | {r['bytes_per_step'] / 1e6:.0f} | {fmt(r['decode_tokens_per_s'])} "
               f"| {fmt(r['prompt_tokens_per_s'], '.0f')} | {fmt(r.get('perplexity'), '.2f')} "
               f"| {peer[0] if peer else 'n/a'} | {fmt(ratio('decode_tokens_per_s'), '.2f')} "
               f"| {fmt(ratio('prompt_tokens_per_s'), '.2f')} | {fmt(ratio('perplexity'), '.3f')} "

@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,6 +56,106 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# x86 flags (as /proc/cpuinfo spells them) that decide which CPU kernels run fast, weakest first.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8")
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # bf16 dot products in hardware; without them bf16 is emulated
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What the CPU can compute natively (the instruction sets that pick kernels), from /proc/cpuinfo."""
+
+    vendor: str = ""
+    family: str = ""
+    model: str = ""
+    model_name: str = ""
+    flags: frozenset[str] = frozenset()
+    torch_capability: str = ""  # torch.backends.cpu.get_cpu_capability(): the kernels ATen dispatches to
+
+    @property
+    def isa(self) -> str:
+        """The highest tier: amx > avx512_bf16 > avx512 > avx2 > baseline (tag `cpu.isa`)."""
+        if "amx_tile" in self.flags:
+            return "amx"
+        if "avx512_bf16" in self.flags:
+            return "avx512_bf16"
+        if "avx512f" in self.flags:
+            return "avx512"
+        if "avx2" in self.flags:
+            return "avx2"
+        return "baseline"
+
+    @property
+    def native_bf16(self) -> bool:
+        return any(f in self.flags for f in NATIVE_BF16_FLAGS)
+
+    @property
+    def uarch(self) -> str:
+        """AMD Zen generation from family/model (AMD's published numbering); '' when not known."""
+        if self.vendor != "AuthenticAMD" or not self.family.isdigit():
+            return ""
+        fam, avx512 = int(self.family), "avx512f" in self.flags
+        if fam == 23:
+            return "zen/zen2"
+        if fam == 25:  # 0x19: Zen 3 (Milan, Vermeer) and Zen 4 (Genoa, Raphael); Zen 4 added AVX-512
+            return "zen4" if avx512 else "zen3"
+        if fam == 26:  # 0x1a
+            return "zen5"
+        return ""
+
+    def tags(self) -> dict[str, str]:
+        """Tags recorded on every run, so results from different CPUs are never compared by mistake."""
+        tags = {"cpu.isa": self.isa, "cpu.vendor": self.vendor, "cpu.family": self.family, "cpu.model": self.model,
+                "cpu.flags": ",".join(f for f in ISA_FLAGS if f in self.flags) or "none",
+                "cpu.bf16": "native" if self.native_bf16 else "emulated",
+                "cpu.torch_capability": self.torch_capability}
+        if self.uarch:
+            tags["cpu.uarch"] = self.uarch
+        return tags
+
+    def describe(self) -> str:
+        """One line for reports: 'AMD EPYC ... (zen3, family 25 model 1): avx2, bf16 emulated'."""
+        where = ", ".join(x for x in (self.uarch, f"family {self.family} model {self.model}" if self.family else "") if x)
+        return (f"{self.model_name or 'unknown CPU'}" + (f" ({where})" if where else "")
+                + f": {self.isa}, bf16 {'native' if self.native_bf16 else 'emulated'}"
+                + (f", torch kernels {self.torch_capability}" if self.torch_capability else ""))
+
+
+def parse_cpuinfo(text: str, torch_capability: str = "") -> CpuInfo:
+    """CpuInfo from the text of /proc/cpuinfo (first processor block; all cores of a VM report the same)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return CpuInfo(vendor=fields.get("vendor_id", ""), family=fields.get("cpu family", ""),
+                   model=fields.get("model", ""), model_name=fields.get("model name", ""),
+                   flags=frozenset(fields.get("flags", "").split()), torch_capability=torch_capability)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> CpuInfo:
+    """This machine's CpuInfo (cached; the torch capability is read only when torch is importable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    try:
+        import torch
+
+        capability = str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # noqa: BLE001 - torch missing or too old: the flags alone still decide
+        capability = ""
+    info = parse_cpuinfo(text, capability)
+    if not info.model_name:
+        info = CpuInfo(**{**info.__dict__, "model_name": platform.processor() or platform.machine()})
+    return info
+
+
 def git_commit(repo: Path = REPO) -> str:
     """HEAD commit, with '-dirty' when tracked files differ (results from uncommitted code say so)."""
     try:
@@ -82,4 +183,5 @@ def machine_tags(device: str, threads: int) -> dict[str, str]:
         "cpu_model": cpu_model(), "threads": str(threads), "hostname": platform.node(),
         "python": platform.python_version(), "cpu_count": str(os.cpu_count()),
     })
+    tags.update(cpu_info().tags())  # the host CPU's ISA, also on GPU runs (it drives the CPU-side work)
     return tags

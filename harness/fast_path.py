@@ -38,23 +38,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import shutil
 from typing import Any
 
 import torch
 
-from harness import measure
+from harness import measure, near_tie
 from harness.config import COMPILE_MODES
 from harness.errors import QuantbenchError
+from harness.near_tie import NEAR_TIE_ULPS, ulp  # noqa: F401 - shared with speculative decoding; ulp re-exported
+from harness.near_tie import first_diff as _first_diff
 
 log = logging.getLogger("quantbench")
-
-# A compiled token counts as a rounding flip of a near-tie when eager scores it within this many units in
-# the last place of eager's top logit (bf16 at logit ~27: 4 x 0.125 = 0.5). Measured compiled-vs-eager
-# logit differences on SmolLM2 bf16: up to 5 ulps; the flips seen were at eager gaps of 1-2 ulps.
-NEAR_TIE_ULPS = 4.0
 
 
 def graph_count() -> int:
@@ -80,6 +76,9 @@ def preflight(exp: Any, device: str) -> str:
     if device == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")):
         raise QuantbenchError("measure.compile=true on CPU needs a C++ compiler (torch inductor compiles C++ kernels); "
                               "apt-get install g++ (scripts/setup.sh does), or drop measure.compile")
+    backend_problem = backend_blocker(m.compile_backend, device)
+    if backend_problem:
+        raise QuantbenchError(backend_problem)
     reason = compile_blocker(exp.quantizer, device)
     if not reason:
         return "compiled"
@@ -90,7 +89,34 @@ def preflight(exp: Any, device: str) -> str:
                           "(docs/fast_path.md), or set measure.compile_fallback=true to run it eager")
 
 
-def inductor_options(mode: str, freezing: bool) -> dict[str, Any]:
+def backend_blocker(backend: str, device: str) -> str:
+    """Why `measure.compile_backend=backend` cannot run on `device` ("" when it can).
+
+    zentorch (AMD's ZenDNN plugin, `pip install zentorch==2.13.0.2` for torch 2.13) registers the
+    torch.compile backend "zentorch"; its graph rewrites run only on CPUs with AVX-512 (it checks
+    `zentorch._C.is_avx512_supported()` and otherwise hands the graph to plain inductor), so on an AVX2
+    CPU it would measure inductor under another name: refused here instead.
+    """
+    if backend == "inductor":
+        return ""
+    if backend == "zentorch":
+        import importlib.util
+
+        from harness.env import cpu_info
+
+        if not device.startswith("cpu"):
+            return "measure.compile_backend=zentorch is a CPU backend; use measure.compile_backend=inductor on " + device
+        if importlib.util.find_spec("zentorch") is None:
+            return ("measure.compile_backend=zentorch needs AMD's zentorch plugin (pip install zentorch==2.13.0.2, "
+                    "matching torch 2.13); or use measure.compile_backend=inductor")
+        if "avx512f" not in cpu_info().flags:
+            return (f"measure.compile_backend=zentorch optimizes only on AVX-512 CPUs and this one is "
+                    f"{cpu_info().isa} (zentorch would run plain inductor); use measure.compile_backend=inductor")
+        return ""
+    return f"measure.compile_backend={backend!r} is not allowed; choose one of: inductor, zentorch"
+
+
+def inductor_options(mode: str, freezing: bool, cpp_wrapper: bool = False) -> dict[str, Any]:
     """torch.compile `options` for `mode`, plus eager-parity rounding and optional freezing.
 
     torch.compile accepts `mode` or `options`, not both, so the mode's own options are expanded here.
@@ -98,13 +124,16 @@ def inductor_options(mode: str, freezing: bool) -> dict[str, Any]:
     precise than eager, not equal to it); with it, fused kernels round where eager rounds, which removes
     one source of compiled-vs-eager differences (compiled_match). It cost nothing measurable here (bf16
     compiled step 20 ms either way). Freezing folds the weights into the graph as constants, which lets
-    inductor prepack them for oneDNN on CPU.
+    inductor prepack them for oneDNN on CPU. `cpp_wrapper` makes inductor call its kernels from generated
+    C++ instead of a Python wrapper (less per-kernel overhead; longer compile).
     """
     from torch._inductor import list_mode_options
 
     options = {**list_mode_options(mode), "emulate_precision_casts": True}
     if freezing:
         options["freezing"] = True
+    if cpp_wrapper:
+        options["cpp_wrapper"] = True
     return options
 
 
@@ -153,7 +182,8 @@ class FastPath:
     """A compiled decode step plus the fixed-size static caches it needs (see module docstring)."""
 
     def __init__(self, model: Any, *, device: str, max_cache_len: int, mode: str = "default",
-                 freezing: bool = False):
+                 freezing: bool = False, backend: str = "inductor", cpp_wrapper: bool = False,
+                 skip_guards: bool = False):
         if mode not in COMPILE_MODES:
             raise QuantbenchError(f"measure.compile_mode={mode!r} is not allowed; choose one of: "
                                   + ", ".join(COMPILE_MODES))
@@ -169,7 +199,8 @@ class FastPath:
         self._caches: dict[int, Any] = {}
         self._masks: dict[int, torch.Tensor] = {}
         self._timing = False
-        options = inductor_options(mode, freezing)
+        self.skip_guards = skip_guards
+        options = inductor_options(mode, freezing, cpp_wrapper)
 
         def step(ids, mask, pos, cache):
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
@@ -178,7 +209,12 @@ class FastPath:
 
         self._eager_step = step
         self.eager = False  # True: same caches and padded masks, uncompiled (the compiled_match reference)
-        self._compiled = torch.compile(step, options=options, fullgraph=False, dynamic=False)
+        if backend == "zentorch":  # registers the backend; its own inductor pass (see backend_blocker)
+            import zentorch  # noqa: F401
+
+            self._compiled = torch.compile(step, backend="zentorch", fullgraph=False, dynamic=False)
+        else:
+            self._compiled = torch.compile(step, options=options, fullgraph=False, dynamic=False)
 
     def make_cache(self, model: Any, batch_size: int, max_len: int) -> Any:
         """The run's static cache for this batch size, reset (same tensors: stable addresses)."""
@@ -227,7 +263,11 @@ class FastPath:
         self._timing = True
         before = graph_count()
         try:
-            with torch.compiler.set_stance("fail_on_recompile"):
+            # skip_guards: dynamo then checks only the guards that tell its cached graphs apart (one per batch
+            # size here), not the ~hundreds on the model's parameters and the cache, which cost 2-7 ms per
+            # step on 2 Zen 3 cores. Safe only because nothing a guard watches changes between warmup and the
+            # timed steps (same model, same caches, fixed shapes); compiled_match re-checks the tokens after.
+            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=self.skip_guards):
                 yield
         except RuntimeError as exc:
             if "recompil" in str(exc).lower() or "fail_on_recompile" in str(exc):
@@ -252,7 +292,8 @@ def prepare(exp: Any, model: Any, opts: Any, batches: list[list[list[int]]], pat
         return None
     m = exp.measure
     fast = FastPath(model, device=opts.device, max_cache_len=max_cache_len(batches, opts.max_new_tokens),
-                    mode=m.compile_mode, freezing=m.compile_freezing)
+                    mode=m.compile_mode, freezing=m.compile_freezing, backend=m.compile_backend,
+                    cpp_wrapper=m.compile_cpp_wrapper, skip_guards=m.compile_skip_guards)
     compile_warmup(exp.strategy, model, batches, opts, fast)
     return fast
 
@@ -272,49 +313,10 @@ def compile_warmup(strategy: Any, model: Any, batches: list[list[list[int]]], op
     log.info("compiled the decode step (%s, %d graph(s)) in %.1f s", fast.mode, fast.compiled_graphs, fast.compile_s)
 
 
-def ulp(value: float, dtype: torch.dtype) -> float:
-    """One unit in the last place of `dtype` at the magnitude of `value`."""
-    mag = max(abs(value), torch.finfo(dtype).tiny)
-    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(mag))
-
-
-def _first_diff(eager: list[list[int]], compiled: list[list[int]]) -> tuple[int, int]:
-    row = next(i for i, (a, b) in enumerate(zip(eager, compiled, strict=False)) if a != b)
-    a, b = eager[row], compiled[row]
-    return row, next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
 def near_tie_replay(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
                     compiled: list[list[int]]) -> tuple[int, float]:
-    """Replay eager with the compiled tokens forced; return (flips, largest gap in ulps).
-
-    At each forced position the gap is eager's top logit minus eager's logit of the compiled token,
-    in units in the last place of the logits' dtype (0 where they agree).
-    """
-    flips, worst = 0, 0.0
-
-    def choose(logits: torch.Tensor, index: int) -> torch.Tensor:
-        nonlocal flips, worst
-        nxt = logits.argmax(-1)
-        for row, seq in enumerate(compiled):
-            if index >= len(seq):
-                continue  # this row stopped (EOS): nothing to force
-            forced = seq[index]
-            top = float(logits[row, nxt[row]])
-            gap = (top - float(logits[row, forced])) / ulp(top, logits.dtype)
-            if forced != int(nxt[row]):  # gap 0: an exact tie that argmax broke the other way
-                flips += 1
-                worst = max(worst, gap)
-            nxt[row] = forced
-        return nxt
-
-    saved = opts.choose
-    opts.choose = choose
-    try:
-        strategy.generate(model, batch, opts)
-    finally:
-        opts.choose = saved
-    return flips, worst
+    """Replay eager with the compiled tokens forced; return (flips, largest gap in ulps) (harness.near_tie)."""
+    return near_tie.replay(lambda: strategy.generate(model, batch, opts), opts, compiled)
 
 
 def check_match(strategy: Any, model: Any, batches: list[list[list[int]]], opts: Any, timed: list[Any],

@@ -281,25 +281,45 @@ def slow_kernel_flags(rows: list[dict]) -> dict[int, str]:
     `roofline_fraction`. "Lighter" means at least 5% fewer bytes per step (same-size formats are not
     compared: their speed difference is not about bytes).
     """
-    flags: dict[int, str] = {}
+    return {i: msg for i, (_, msg) in _slow_pairs(rows).items()}
+
+
+def _kernel_note(r: dict) -> str:
+    return f" [kernel {r['kernel']}]" if r.get("kernel") else ""
+
+
+def _slow_pairs(rows: list[dict]) -> dict[int, tuple[list[int], str]]:
+    """Flagged row index -> (indices of the heavier rows not slower than it, warning naming the first).
+
+    A row may carry `kernel` (tag kernel.linear of the run, harness/kernels.py): the warning names the
+    matmul kernel of both sides, e.g. int8's `aten::mm` (a dequantize per call) against bf16's.
+    """
+    out: dict[int, tuple[list[int], str]] = {}
     for i, r in enumerate(rows):
         if not r.get("roofline_fraction", 1.0) < SLOW_FRACTION:
             continue
-        for other in rows:
-            if other is r or other.get("group") != r.get("group"):
-                continue
-            heavier = other["bytes_per_step"] > 1.05 * r["bytes_per_step"]
-            if heavier and other["decode_tokens_per_s"] >= r["decode_tokens_per_s"]:
-                flags[i] = (f"{SLOW_TAG} {r['label']} reads {r['bytes_per_step'] / 1e6:.0f} MB/step but decodes "
-                            f"{r['decode_tokens_per_s']:.1f} tok/s, not faster than {other['label']} "
-                            f"({other['bytes_per_step'] / 1e6:.0f} MB/step, {other['decode_tokens_per_s']:.1f} "
-                            f"tok/s); it reaches {r['roofline_fraction']:.0%} of its bound (< {SLOW_FRACTION:.0%})")
-                break
-    return flags
+        partners = [j for j, other in enumerate(rows)
+                    if other is not r and other.get("group") == r.get("group")
+                    and other["bytes_per_step"] > 1.05 * r["bytes_per_step"]
+                    and other["decode_tokens_per_s"] >= r["decode_tokens_per_s"]]
+        if partners:
+            other = rows[partners[0]]
+            out[i] = (partners, f"{SLOW_TAG} {r['label']}{_kernel_note(r)} reads {r['bytes_per_step'] / 1e6:.0f} "
+                                f"MB/step but decodes {r['decode_tokens_per_s']:.1f} tok/s, not faster than "
+                                f"{other['label']}{_kernel_note(other)} ({other['bytes_per_step'] / 1e6:.0f} MB/step, "
+                                f"{other['decode_tokens_per_s']:.1f} tok/s); it reaches {r['roofline_fraction']:.0%} "
+                                f"of its bound (< {SLOW_FRACTION:.0%})")
+    return out
 
 
-def check_slow_kernel(group: dict, label: str, metrics: dict, device: str, threads: int) -> str | None:
-    """Record this run in the host's speeds cache, compare with the others, return a warning or None."""
+def check_slow_kernel(group: dict, label: str, metrics: dict, device: str, threads: int,
+                      kernel: str = "") -> str | None:
+    """Record this run in the host's speeds cache, compare with the others, return a warning or None.
+
+    The warning is about this run when it is the slow lighter format, or about a lighter format recorded
+    earlier that this (heavier) run outpaces: whichever of the two runs comes second says so, so the
+    order of a sweep or of two run.py calls does not hide it.
+    """
     from harness.models import cache_root, short_hash
 
     path = cache_root() / "roofline" / f"speeds-{host_key(device, threads)}.json"
@@ -312,16 +332,19 @@ def check_slow_kernel(group: dict, label: str, metrics: dict, device: str, threa
     entries = {k: v for k, v in data.get(gkey, {}).items() if now - v.get("t", 0) < SPEEDS_MAX_AGE_S}
     entries[label] = {"bytes_per_step": metrics["bytes_per_step"], "t": now,
                       "decode_tokens_per_s": metrics["decode_tokens_per_s"],
-                      "roofline_fraction": metrics["roofline_fraction"]}
+                      "roofline_fraction": metrics["roofline_fraction"], "kernel": kernel}
     data[gkey] = entries
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
     rows = [{"group": gkey, "label": k, **v} for k, v in entries.items()]
-    flags = slow_kernel_flags(rows)
+    pairs = _slow_pairs(rows)
     mine = next(i for i, r in enumerate(rows) if r["label"] == label)
-    return flags.get(mine)
+    if mine in pairs:
+        return pairs[mine][1]
+    slower = [msg for partners, msg in pairs.values() if mine in partners]  # an earlier lighter run, outpaced now
+    return slower[0] if slower else None
 
 
 def annotate(metrics: dict, tags: dict, shape: ModelShape, device: str, threads: int, context: float,
@@ -335,7 +358,7 @@ def annotate(metrics: dict, tags: dict, shape: ModelShape, device: str, threads:
     tags["bandwidth_method"] = bw.method
     if math.isfinite(metrics["roofline_fraction"]):
         warning = check_slow_kernel({**group, "batch": batch, "device": device, "threads": threads}, label,
-                                    metrics, device, threads)
+                                    metrics, device, threads, kernel=tags.get("kernel.linear", ""))
         if warning:
             tags["warning.slow_kernel"] = warning
             logging.getLogger("quantbench").warning(warning)
@@ -344,9 +367,13 @@ def annotate(metrics: dict, tags: dict, shape: ModelShape, device: str, threads:
 def run_group(exp: Any, engine: str) -> dict:
     """What two runs must share for their speeds to be compared (slow-kernel check)."""
     m = exp.measure
-    return {"model": exp.model.identity(), "engine": engine, "strategy": exp.strategy.name, "prompts": m.prompts,
-            "max_new_tokens": m.max_new_tokens, "chat_template": m.chat_template, "cache": m.cache,
-            "compile": m.compile}
+    group = {"model": exp.model.identity(), "engine": engine, "strategy": exp.strategy.name, "prompts": m.prompts,
+             "max_new_tokens": m.max_new_tokens, "chat_template": m.chat_template, "cache": m.cache,
+             "compile": m.compile}
+    for key in ("prompt_tokens", "context_depth"):  # workload lengths (harness/workloads.py), when set
+        if getattr(m, key, 0):
+            group[key] = getattr(m, key)
+    return group
 
 
 def annotate_torch_run(metrics: dict, tags: dict, exp: Any, model: Any, batches: list, gens: list,
@@ -355,11 +382,12 @@ def annotate_torch_run(metrics: dict, tags: dict, exp: Any, model: Any, batches:
     import torch
 
     flat = batches * exp.measure.repetitions
+    depth = getattr(exp.measure, "context_depth", 0)  # tokens in the cache before the prompt (harness/workloads.py)
     if len(flat) == len(gens):
-        widths = [(max(len(p) for p in b), len(g.step_s)) for b, g in zip(flat, gens, strict=True)]
+        widths = [(depth + max(len(p) for p in b), len(g.step_s)) for b, g in zip(flat, gens, strict=True)]
     else:  # a strategy that schedules its own calls (continuous batching): mean prompt length per row
         rows = [p for b in batches for p in b]
-        widths = [(round(sum(map(len, rows)) / len(rows)), len(g.step_s)) for g in gens]
+        widths = [(depth + round(sum(map(len, rows)) / len(rows)), len(g.step_s)) for g in gens]
     annotate(metrics, tags, shape_from_torch(model), device, torch.get_num_threads(), mean_context(widths),
              run_group(exp, "transformers"), exp.quantizer.name)
 

@@ -1,18 +1,36 @@
-"""`quantizer=int8` / `quantizer=int4`: the best backend available on the current device.
+"""The device table: what `quantizer=none`, `quantizer=int8` and `quantizer=int4` mean on this machine.
 
-Resolution happens in `preflight(device)` (before the model loads): the first backend in the device's
-row of `TABLE` whose own preflight passes (library installed, device supported) is used, and everything
-else is delegated to it. The resolved backend is recorded in tag `quantizer.backend` and its config
-name in `quantizer.resolved`. "Best" means: no calibration step, weights really stored at the nominal
-width, and the best speed/accuracy measured here (docs/quantizers.md has the numbers):
+Resolution happens in `preflight(device)` (before the model loads) and reads the CPU's instruction
+sets (`harness.env.cpu_info()`: tag `cpu.isa`) and whether the decode step is compiled
+(`measure.compile`, seen at config time through `check_with`). For int8/int4 the first backend in the
+matching row whose own preflight passes (library installed, device supported) is used and everything
+else is delegated to it; tags `quantizer.backend` and `quantizer.resolved` record the choice and
+`quantizer.resolved_by` the row. Rows are looked up most specific first: `cpu/<isa>+compile`,
+`cpu/<isa>`, `cpu+compile`, `cpu`.
 
-| device | int8 | int4 |
-|---|---|---|
-| cpu | torchao_int8, bnb_int8, quanto_int8 | bnb_nf4, quanto_int4 |
-| cuda | torchao_int8, bnb_int8, quanto_int8 | torchao_int4 (tinygemm), bnb_nf4, quanto_int4 |
+| device / row | none | int8 | int4 |
+|---|---|---|---|
+| cpu, native bf16 (avx512_bf16, amx) | bf16 | eager: torchao_int8; compiled: torchao_int8 | torchao_int4 (packed CPU layout) |
+| cpu, avx2 / avx512 without bf16 | bf16 weights, multi-token matmuls in fp32 | same | same |
+| cpu without avx2 | fp32 | same | same |
+| cuda | model.dtype | torchao_int8, bnb_int8, quanto_int8 | torchao_int4 (tinygemm), bnb_nf4, quanto_int4 |
 
-On CPU torchao_int4 is not in the int4 row: torchao 0.18 stores those int4 values in int8 bytes, and
-GPTQ needs a calibration pass; ask for them by name (`quantizer=torchao_int4`, `quantizer=gptq_int4`).
+Why (AMD EPYC Zen 3, family 25 model 1, AVX2 only, 2 threads, SmolLM2-135M; docs/quantizers.md and
+docs/fast_path.md have the tables):
+- `none`: see quantizers/dtype.py. bf16 decodes ~1.8x faster than fp32 everywhere measured; where
+  bf16 is emulated its prefill is 3x slower, which the fp32 upcast of multi-token matmuls removes.
+- `int4` -> torchao_int4, whose CPU default is torchao's packed int4 layout (Int4OpaqueTensor,
+  `PrototypeInt4WeightOnlyConfig`): 4.5 bits/weight really stored, `aten::_weight_int4pack_mm_for_cpu`
+  with bf16 activations in eager and compiled mode. It was the fastest format here at batch 1 (compiled
+  37 tok/s vs bf16 33) and prefills as fast as fp32. bnb_nf4 stays as the fallback.
+- `int8` -> torchao_int8 weight-only. Compiled, inductor rewrites its dequantize + matmul into
+  `aten::_weight_int8pack_mm`. Eager, torchao dequantizes the whole weight at every call; quanto_int8
+  reaches `_weight_int8pack_mm` in eager mode too, but its Python dispatch costs as much as the
+  dequantize here (both 15 tok/s eager, bf16 22), so neither eager path beats bf16: compile int8.
+  torchao stays first because the eager numbers are equal and only torchao's compiles to the fast op.
+
+The int kernels need bf16 activations (5-10x slower with fp32 ones), so torchao's CPU int paths load
+the float parts in bf16 whatever model.dtype says.
 """
 
 from __future__ import annotations
@@ -21,14 +39,65 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import ConfigError, QuantbenchError, one_of
+from harness.errors import ConfigError, QuantbenchError, Unsupported, one_of
 from quantizers.base import Quantizer
 
 TABLE: dict[str, dict[str, tuple[str, ...]]] = {
-    "int8": {"cpu": ("torchao_int8", "bnb_int8", "quanto_int8"), "cuda": ("torchao_int8", "bnb_int8", "quanto_int8")},
-    "int4": {"cpu": ("bnb_nf4", "quanto_int4"), "cuda": ("torchao_int4", "bnb_nf4", "quanto_int4")},
+    "int8": {
+        "cpu": ("torchao_int8", "quanto_int8", "bnb_int8"),
+        "cuda": ("torchao_int8", "bnb_int8", "quanto_int8"),
+    },
+    "int4": {
+        "cpu": ("torchao_int4", "bnb_nf4", "quanto_int4"),
+        "cuda": ("torchao_int4", "bnb_nf4", "quanto_int4"),
+    },
 }
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "quantizer"
+
+
+def cpu_class(cpu: Any) -> str:
+    """The ISA class the table distinguishes: native_bf16 | avx2 (AVX2/AVX-512 without bf16) | baseline."""
+    if cpu.native_bf16:
+        return "native_bf16"
+    return "avx2" if cpu.isa in ("avx2", "avx512") else "baseline"
+
+
+def float_choice(device: str, model_dtype: str, cpu: Any = None) -> tuple[str, str]:
+    """(dtype, why) for quantizer=none: the float format this device is fastest with (module docstring).
+
+    model.dtype float32 is kept (none never lowers precision); a 16-bit model.dtype keeps its 16-bit
+    weights where the CPU has AVX2 or better (quantizers.dtype then upcasts multi-token matmuls where the
+    16-bit dot product is emulated) and becomes float32 on a CPU without AVX2.
+    """
+    if not device.startswith("cpu"):
+        return model_dtype, f"{device}: model.dtype as loaded"
+    if cpu is None:
+        from harness.env import cpu_info
+
+        cpu = cpu_info()
+    cls = cpu_class(cpu)
+    if model_dtype == "float32":
+        return "float32", f"cpu.isa {cpu.isa}: model.dtype float32 kept (none never lowers precision)"
+    if cls == "baseline":
+        return "float32", f"cpu.isa {cpu.isa}: no AVX2, 16-bit conversions are not vectorized; fp32"
+    how = "native" if cls == "native_bf16" and model_dtype == "bfloat16" else "emulated: multi-token matmuls in fp32"
+    return model_dtype, f"cpu.isa {cpu.isa}: {model_dtype} weights ({how})"
+
+
+def candidates(bits: str, device: str, compiled: bool, cpu: Any = None) -> tuple[str, tuple[str, ...]]:
+    """(row, backends in order) of the device table for `bits` on `device`."""
+    kind = device.split(":")[0]
+    keys = [kind]
+    if kind == "cpu":
+        if cpu is None:
+            from harness.env import cpu_info
+
+            cpu = cpu_info()
+        cls = cpu_class(cpu)
+        keys = [f"cpu/{cls}+compile", f"cpu/{cls}", "cpu+compile", "cpu"] if compiled else [f"cpu/{cls}", "cpu"]
+    row = TABLE[bits]
+    key = next((k for k in keys if k in row), keys[-1])
+    return key, row.get(key, ())
 
 
 def build_named(name: str) -> Quantizer:
@@ -50,6 +119,8 @@ class Auto(Quantizer):
             raise ConfigError([err])
         self._resolved: Quantizer | None = None
         self._resolved_name = ""
+        self._row = ""
+        self._compiled = False
 
     @property
     def name(self) -> str:
@@ -65,20 +136,25 @@ class Auto(Quantizer):
     def backend(self) -> str:  # type: ignore[override]
         return self._resolved.backend if self._resolved is not None else "unresolved"
 
+    def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
+        self._compiled = bool(getattr(measure, "compile", False))  # picks the table's +compile rows
+
     def preflight(self, device: str) -> None:
-        kind = device.split(":")[0]
-        reasons = []
-        for name in TABLE[self.bits].get(kind, ()):
+        row, names = candidates(self.bits, device, self._compiled)
+        reasons, hardware = [], bool(names)
+        for name in names:
             candidate = build_named(name)
             try:
                 candidate.preflight(device)
             except QuantbenchError as exc:
                 reasons.append(f"{name}: {exc}")
+                hardware = hardware and isinstance(exc, Unsupported)
                 continue
-            self._resolved, self._resolved_name = candidate, name
+            self._resolved, self._resolved_name, self._row = candidate, name, row
             return
-        raise QuantbenchError(f"quantizer {self.bits}: no backend runs on {device} ("
-                              + ("; ".join(reasons) or f"none listed for {kind}")
+        # every candidate needs other hardware: this machine cannot run it (a sweep cell is SKIPPED, not FAILED)
+        raise (Unsupported if hardware else QuantbenchError)(f"quantizer {self.bits}: no backend runs on {device} ("
+                              + ("; ".join(reasons) or f"none listed for {row}")
                               + "); install one of them, or use quantizer=bf16")
 
     def identity(self) -> dict:
@@ -93,7 +169,8 @@ class Auto(Quantizer):
     def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
         model = self.resolved.load(source, tokenizer=tokenizer, device=device, experiment=experiment)
         self.last_metrics = dict(getattr(self.resolved, "last_metrics", {}) or {})
-        self.last_tags = {**(getattr(self.resolved, "last_tags", {}) or {}), "quantizer.resolved": self._resolved_name}
+        self.last_tags = {**(getattr(self.resolved, "last_tags", {}) or {}), "quantizer.resolved": self._resolved_name,
+                          "quantizer.resolved_by": f"device table row {self._row}"}
         return model
 
     def audit(self, model: Any) -> dict[str, Any]:

@@ -1,14 +1,27 @@
 """torchao through transformers' `TorchAoConfig`: int8 weight-only (`torchao_int8`), int8 dynamic
 activations + int8 weights (`torchao_int8_dyn`) and int4 weight-only (`torchao_int4`).
 
-int4 has two kernels, chosen by `kernel`:
-- `intx` (CPU, the default there): `IntxWeightOnlyConfig(weight_dtype=torch.int4)`. torchao 0.18 stores
-  these int4 values *unpacked, one per int8 byte* (`IntxUnpackedToInt8Tensor`) and dequantizes in the
-  matmul, so the audit honestly reports ~8.75-9.25 bits/weight (8 + a scale and zero point per group):
-  the accuracy is int4's, the memory is int8's. Its bound is therefore 9.5, not 5.
+int4 has three kernels, chosen by `kernel`:
+- `packed` (CPU, the default there): `PrototypeInt4WeightOnlyConfig` (torchao 0.18's CPU int4 layout,
+  `Int4OpaqueTensor`): int4 packed two per byte plus a bf16 scale and zero point per group
+  (4 + 32/group_size bits/weight), multiplied by `aten::_weight_int4pack_mm_for_cpu` in eager and
+  compiled mode. Group sizes 32, 64, 128. The kernel wants bf16 activations (5-10x slower with fp32
+  ones on Zen 3), so this kernel loads the model's float parts in bf16.
+- `intx` (CPU): `IntxWeightOnlyConfig(weight_dtype=torch.int4)`. torchao 0.18 stores these int4 values
+  *unpacked, one per int8 byte* (`IntxUnpackedToInt8Tensor`) and dequantizes in the matmul, so the
+  audit honestly reports ~8.75-9.25 bits/weight: the accuracy is int4's, the memory is int8's. Its
+  bound is therefore 9.5, not 5. Kept for comparison (`quantizer.kernel=intx`).
 - `tinygemm` (CUDA only): `Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")`, packed int4
   with bf16 scales. On CPU torchao 0.18 fails ("Torch not compiled with CUDA enabled"; the default
   "plain" format needs the `mslk` package), so preflight refuses it there.
+
+int8 weight-only (`Int8WeightOnlyConfig`) dequantizes the whole weight to the activation dtype at every
+call in eager mode (`aten::copy_` + `aten::mm`); under `measure.compile=true` inductor's weight-only-int8
+pattern rewrites that into `aten::_weight_int8pack_mm` (tag `kernel.linear` shows which ran). That op,
+too, is fast only with bf16 activations, so on CPU torchao_int8 loads the float parts in bf16.
+
+Layers that are left in 16 bits (the tied output projection) get the fp32 upcast of multi-token
+matmuls where the CPU emulates bf16 (quantizers/dtype.py), which keeps prefill and scoring fast.
 """
 
 from __future__ import annotations
@@ -16,13 +29,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from harness.errors import ConfigError, QuantbenchError, one_of
+from harness.errors import ConfigError, QuantbenchError, Unsupported, one_of
 from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
 
+KERNELS = ("auto", "packed", "intx", "tinygemm")
+
+
+class BF16OnCPU:
+    """Mixin: on CPU load the float parts in bf16 (the int kernels' fast activation dtype) and upcast the
+    multi-token matmuls of the layers left in 16 bits where bf16 is emulated (quantizers/dtype.py)."""
+
+    def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
+        from quantizers.dtype import apply_prefill_matmul
+
+        model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)  # type: ignore[misc]
+        dtype = str(model.get_output_embeddings().weight.dtype).replace("torch.", "")
+        self.last_tags["quantizer.prefill_matmul"] = apply_prefill_matmul(model, dtype, device, "auto")  # type: ignore[attr-defined]
+        return model
+
 
 @dataclass
-class TorchAoInt8(TimedLoad, Quantizer):
+class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
     """int8 per-row weights; `dynamic=True` also quantizes activations per token (int8 x int8 matmul)."""
 
     dynamic: bool = False
@@ -41,6 +69,14 @@ class TorchAoInt8(TimedLoad, Quantizer):
     def backend(self) -> str:  # type: ignore[override]
         return "torchao.int8_dynamic_int8_weight" if self.dynamic else "torchao.int8_weight_only"
 
+    def preflight(self, device: str) -> None:
+        super().preflight(device)
+        self._device = device
+
+    def load_dtype(self, model_dtype: str) -> str:
+        # the weight-only int8 op is fast with bf16 activations only; dynamic int8 quantizes them anyway
+        return "bfloat16" if not self.dynamic and getattr(self, "_device", "cpu").startswith("cpu") else model_dtype
+
     def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
         from transformers import TorchAoConfig
@@ -50,11 +86,11 @@ class TorchAoInt8(TimedLoad, Quantizer):
 
 
 @dataclass
-class TorchAoInt4(TimedLoad, Quantizer):
+class TorchAoInt4(BF16OnCPU, TimedLoad, Quantizer):
     """int4 weight-only with one scale per `group_size` weights (see module docstring for kernels)."""
 
     group_size: int = 32
-    kernel: str = "auto"  # auto (intx on CPU, tinygemm on CUDA) | intx | tinygemm
+    kernel: str = "auto"  # auto (packed on CPU, tinygemm on CUDA) | packed | intx | tinygemm
 
     library = "torchao"
     quantizes = True
@@ -62,9 +98,11 @@ class TorchAoInt4(TimedLoad, Quantizer):
     instead = "quantizer=bnb_nf4"
 
     def __post_init__(self) -> None:
-        errs = [one_of("quantizer.kernel", self.kernel, ("auto", "intx", "tinygemm"))]
+        errs = [one_of("quantizer.kernel", self.kernel, KERNELS)]
         if self.group_size not in (32, 64, 128, 256):
             errs.append(f"quantizer.group_size={self.group_size!r} is not allowed; choose one of: 32, 64, 128, 256")
+        elif self.kernel == "packed" and self.group_size == 256:
+            errs.append("quantizer.group_size=256 is not allowed with quantizer.kernel=packed; choose one of: 32, 64, 128")
         if any(errs):
             raise ConfigError([e for e in errs if e])
         self._device = "cpu"
@@ -76,7 +114,9 @@ class TorchAoInt4(TimedLoad, Quantizer):
     def _kernel(self, device: str) -> str:
         if self.kernel != "auto":
             return self.kernel
-        return "tinygemm" if device.startswith("cuda") else "intx"
+        if device.startswith("cuda"):
+            return "tinygemm"
+        return "intx" if self.group_size == 256 else "packed"  # packed supports groups of 32-128
 
     @property
     def backend(self) -> str:  # type: ignore[override]
@@ -84,25 +124,41 @@ class TorchAoInt4(TimedLoad, Quantizer):
 
     @property
     def max_bits_per_weight(self) -> float:  # type: ignore[override]
-        # intx stores each int4 value in a whole int8 byte (honest, see module docstring)
-        return 9.5 if self._kernel(self._device) == "intx" else 5.0
+        # intx stores each int4 value in a whole int8 byte (honest, see module docstring); packed keeps a
+        # bf16 scale and zero point per group: 4 + 32/group_size, plus a margin for short rows
+        if self._kernel(self._device) == "intx":
+            return 9.5
+        return 4.0 + 32.0 / self.group_size + 0.5 if self._kernel(self._device) == "packed" else 5.0
 
     @property
     def storage(self) -> str:  # type: ignore[override]
         if self._kernel(self._device) == "intx":
             return "int4 values stored unpacked in int8 (IntxUnpackedToInt8Tensor): int4 accuracy, int8 memory"
+        if self._kernel(self._device) == "packed":
+            return "packed int4 for CPU (Int4OpaqueTensor, _weight_int4pack_mm_for_cpu)"
         return "packed int4 (tinygemm)"
 
     def preflight(self, device: str) -> None:
         super().preflight(device)
         self._device = device
         if self._kernel(device) == "tinygemm" and not device.startswith("cuda"):
-            raise QuantbenchError("quantizer torchao_int4 kernel=tinygemm (Int4WeightOnlyConfig) is CUDA-only in "
-                                  "torchao 0.18; on CPU use quantizer=torchao_int4 quantizer.kernel=intx "
+            raise Unsupported("needs CUDA: quantizer torchao_int4 kernel=tinygemm (Int4WeightOnlyConfig) is CUDA-only in "
+                                  "torchao 0.18; on CPU use quantizer=torchao_int4 quantizer.kernel=packed "
                                   "(or quantizer=bnb_nf4)")
+        if self._kernel(device) == "packed" and not device.startswith("cpu"):
+            raise QuantbenchError("quantizer torchao_int4 kernel=packed (PrototypeInt4WeightOnlyConfig) is the CPU "
+                                  "layout; on CUDA use quantizer.kernel=tinygemm")
+        if self._kernel(device) == "packed":
+            try:
+                from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig  # noqa: F401
+            except ImportError as exc:
+                raise QuantbenchError(f"quantizer torchao_int4 kernel=packed needs torchao's CPU int4 layout "
+                                      f"(torchao 0.18: {exc}); pip install torchao==0.18.0, or use "
+                                      "quantizer.kernel=intx") from exc
 
     def load_dtype(self, model_dtype: str) -> str:
-        return "bfloat16" if self._kernel(self._device) == "tinygemm" else model_dtype  # tinygemm is bf16-only
+        # tinygemm is bf16-only; the packed CPU kernel is 5-10x slower with fp32 activations
+        return "bfloat16" if self._kernel(self._device) in ("tinygemm", "packed") else model_dtype
 
     def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
         import torch
@@ -113,6 +169,10 @@ class TorchAoInt4(TimedLoad, Quantizer):
         self._device = device
         if self._kernel(device) == "tinygemm":
             cfg = Int4WeightOnlyConfig(group_size=self.group_size, int4_packing_format="tile_packed_to_4d")
+        elif self._kernel(device) == "packed":
+            from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+            cfg = PrototypeInt4WeightOnlyConfig(group_size=self.group_size)
         else:
             cfg = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(self.group_size))
         return {"quantization_config": TorchAoConfig(quant_type=cfg)}

@@ -19,7 +19,7 @@ $PIP install -q --upgrade pip
 if "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
   echo "setup: keeping installed torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  $PIP install -q torch==2.13.0
+  $PIP install -q "torch==2.13.0,!=2.13.0+cpu"  # never the CPU wheel a local find-links may hold
 elif $PIP install -q --dry-run --no-index --no-deps torch==2.13.0 >/dev/null 2>&1; then
   $PIP install -q torch==2.13.0
 else

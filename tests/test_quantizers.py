@@ -3,9 +3,10 @@ the embedded model (slow).
 
 Tolerances, stated once:
 - Stored bits per weight over the targeted linears (scales and zeros included) must lie in EXPECTED_BITS:
-  int8 backends 8.0-8.6 (fp32 is 32, so 3.7-4x smaller), packed 4-bit backends 4.0-4.8 (6.7-8x smaller),
-  and the two CPU paths that keep int4 values in int8 bytes (torchao intx, gptqmodel's gptq_torch_int8
-  kernel) 8.0-9.5, reported as such rather than as 4-bit.
+  int8 backends 8.0-8.6 (fp32 is 32, so 3.7-4x smaller), packed 4-bit backends 4.0-4.8 (6.7-8x smaller;
+  torchao's packed CPU int4 layout, groups of 64, is 4.5), and the CPU paths that keep int4 values in int8
+  bytes (torchao `kernel=intx`, gptqmodel's gptq_torch_int8 kernel) 8.0-9.5, reported as such rather than
+  as 4-bit.
 - KL(fp32 || quantized) of next-token distributions on 127 corpus positions: < 0.01 for int8, < 0.3 for
   int4 (the tiny model's random weights are harsher on 4-bit than a trained model).
 """
@@ -23,8 +24,8 @@ from harness.errors import ConfigError, QuantbenchError
 INT8, INT4, INT4_IN_INT8 = (8.0, 8.6), (4.0, 4.8), (8.0, 9.5)
 EXPECTED_BITS = {
     "bnb_int8": INT8, "torchao_int8": INT8, "torchao_int8_dyn": INT8, "quanto_int8": INT8, "int8": INT8,
-    "bnb_nf4": INT4, "bnb_fp4": INT4, "quanto_int4": INT4, "int4": INT4,
-    "torchao_int4": INT4_IN_INT8, "gptq_int4": INT4_IN_INT8, "rtn_int4": INT4_IN_INT8,
+    "bnb_nf4": INT4, "bnb_fp4": INT4, "quanto_int4": INT4, "int4": INT4, "torchao_int4": INT4,
+    "gptq_int4": INT4_IN_INT8, "rtn_int4": INT4_IN_INT8,
 }
 KL_BOUND = {n: (0.01 if b == INT8 else 0.3) for n, b in EXPECTED_BITS.items()}
 TINY_GPTQ = ["quantizer.group_size=32", "quantizer.calibration_samples=8", "quantizer.calibration_length=64"]
@@ -111,9 +112,10 @@ def test_full_run_logs_audit_and_backend(compose, results_overrides):
 
     r = run(compose(FAST + ["quantizer=int4", "measure.repetitions=1"] + results_overrides))
     assert r.status == "OK", r.error
-    assert r.tags["quantizer.backend"] == "bitsandbytes.nf4" and r.tags["quantizer.resolved"] == "bnb_nf4"
-    assert r.tags["quantizer.version.bitsandbytes"]
-    assert 4.0 <= r.metrics["bits_per_weight"] <= 4.8 and r.metrics["quantize_s"] > 0
+    assert r.tags["quantizer.backend"] == "torchao.int4_packed" and r.tags["quantizer.resolved"] == "torchao_int4"
+    assert r.tags["quantizer.resolved_by"] == "device table row cpu" and r.tags["quantizer.version.torchao"]
+    assert r.tags["kernel.linear"] == "aten::_weight_int4pack_mm_for_cpu"  # profiled, not assumed
+    assert r.metrics["bits_per_weight"] == 4.5 and r.metrics["quantize_s"] > 0  # int4 + bf16 scale, zero per 64
     assert r.metrics["kl_div_mean"] > 0
 
 
@@ -157,7 +159,7 @@ def test_audit_refuses_a_silent_noop(compose):
 
 
 def test_audit_refuses_bits_above_the_bound(compose):
-    exp = _exp(compose, "torchao_int4")
+    exp = _exp(compose, "torchao_int4", ["quantizer.kernel=intx"])
     model, _ = _load(exp)
     exp.quantizer.kernel = "tinygemm"  # claims packed int4 (bound 5) while the weights sit in int8 bytes
     with pytest.raises(QuantbenchError, match="bits/weight"):
@@ -173,7 +175,7 @@ def test_awq_is_cuda_only(compose):
 
 def test_torchao_int4_tinygemm_is_cuda_only(compose):
     exp = _exp(compose, "torchao_int4", ["quantizer.kernel=tinygemm"])
-    with pytest.raises(QuantbenchError, match="CUDA-only.*quantizer.kernel=intx"):
+    with pytest.raises(QuantbenchError, match="CUDA-only.*quantizer.kernel=packed"):
         exp.quantizer.preflight("cpu")
 
 
@@ -196,7 +198,7 @@ def test_resolver_with_nothing_installed(compose, monkeypatch):
     gone = ("torchao", "bitsandbytes", "optimum.quanto")
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in gone else real(n, *a))
     exp = _exp(compose, "int8")
-    with pytest.raises(QuantbenchError, match="no backend runs on cpu.*torchao_int8.*bnb_int8.*quanto_int8"):
+    with pytest.raises(QuantbenchError, match="no backend runs on cpu.*torchao_int8.*quanto_int8.*bnb_int8"):
         exp.quantizer.preflight("cpu")
 
 
@@ -209,6 +211,34 @@ def test_gptq_calibration_too_short_fails_before_quantizing(compose):
     exp = _exp(compose, "gptq_int4", ["quantizer.calibration_samples=1000"])
     with pytest.raises(QuantbenchError, match="calibration needs 1000 x 64"):
         _load(exp)
+
+
+def test_rtn_reads_no_calibration_text(compose, tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    exp = _exp(compose, "rtn_int4", ["quantizer.calibration_samples=100000"])  # more text than any corpus has
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("rtn must not read calibration text")
+
+    monkeypatch.setattr(type(exp.quantizer), "calibration", refuse)
+    _load(exp)
+    assert exp.quantizer.last_metrics["calibration_tokens"] == 0.0
+
+
+@pytest.mark.slow
+def test_gptq_default_calibration_is_the_shipped_text_and_long_enough(compose):
+    """The default run calibrates offline on harness/data/calibration.txt (32 x 256 tokens of SmolLM2's
+    tokenizer fit, ~9.2k available), never on the text perplexity scores."""
+    from harness.config import build
+    from harness.models import EmbeddedGGUF, load_tokenizer
+    from quantizers.gptq import CALIBRATION_TEXT
+
+    exp = build(compose(["quantizer=gptq_int4"]))
+    assert exp.quantizer.calibration_corpus == "calibration"
+    samples, _, overlap = exp.quantizer.calibration(load_tokenizer(EmbeddedGGUF()))
+    assert len(samples) == 32 and all(len(s["input_ids"]) == 256 for s in samples) and not overlap
+    scored = (CALIBRATION_TEXT.parent / "corpus.txt").read_text()
+    assert not set(CALIBRATION_TEXT.read_text().split("\n\n")) & set(scored.split("\n\n"))  # no shared paragraph
 
 
 def test_bad_options_list_allowed_values(compose):

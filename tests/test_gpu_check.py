@@ -1,0 +1,181 @@
+"""benchmarks/gpu_check.{sh,py}: everything that can be checked without a GPU.
+
+The cells themselves need CUDA (docs/gpu.md); here: the argument parsing, the cell list and its sizing,
+that every cell's overrides compose into a valid config, the table from fake cell outcomes (a failed,
+hung or crashed cell is a row with its one-line error and the others still run), the no-CUDA error
+before any setup, --dry-run, and the bundle helpers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+from conftest import ROOT
+
+# loaded by path: benchmarks/ on sys.path would shadow the quantizers and strategies packages
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up while the class is made
+_spec.loader.exec_module(gpu_check)
+
+SH = ROOT / "benchmarks" / "gpu_check.sh"
+NO_GPU = {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_SMI": "/bin/false"}  # no GPU even on a machine with one
+
+
+def test_arguments_and_the_cell_list():
+    args = gpu_check.parse_args([])
+    assert args.out == "results/gpu_check" and not args.dry_run
+    assert [c.name for c in args.cells] == ["fp16", "bnb_int8", "bnb_nf4", "fp16_compiled_cudagraphs", "gptq_int4"]
+    args = gpu_check.parse_args(["/tmp/x", "--only", "gptq_int4,fp16", "--budget-s", "100"])
+    assert [c.name for c in args.cells] == ["fp16", "gptq_int4"] and args.out == "/tmp/x" and args.budget_s == 100
+    smoke = gpu_check.parse_args(["--smoke"]).cells
+    assert [c.name for c in smoke] == ["fp16"] and smoke[0].overrides[-3:] == gpu_check.SMOKE
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.parse_args(["--only", "fp8"])
+    assert exc.value.code == 2
+
+    cells = {c.name: c.overrides for c in gpu_check.CELLS}
+    assert {"quantizer=gptq_int4", "quantizer.calibration_samples=8",
+            "quantizer.calibration_length=128"} <= set(cells["gptq_int4"])
+    assert {"measure.cache=static", "measure.compile=true",
+            "measure.compile_mode=reduce-overhead"} <= set(cells["fp16_compiled_cudagraphs"])
+    assert {"measure.device=cuda", "tracking.enabled=false", "model=smollm2_135m"} <= set(gpu_check.COMMON)
+    assert args.budget_s < 600  # no cell starts, and none runs, past it: the whole check stays under 10 min
+
+
+SMOKE_CELL = gpu_check.parse_args(["--smoke"]).cells[0]
+
+
+@pytest.mark.parametrize("cell", [*gpu_check.CELLS, SMOKE_CELL],
+                         ids=[c.name for c in gpu_check.CELLS] + ["smoke"])
+def test_every_cell_is_a_valid_config(cell, compose):
+    from harness.config import build
+
+    # measure.device=cpu only so that building does not ask for the GPU this machine lacks
+    cfg = compose([o for o in gpu_check.COMMON if o != "measure.device=cuda"] + list(cell.overrides)
+                  + ["measure.device=cpu"])
+    exp = build(cfg)
+    smoke = cell is SMOKE_CELL
+    assert (exp.measure.max_new_tokens, exp.measure.repetitions) == ((8, 1) if smoke else (32, 2))
+
+
+def _result(status, tps=None, error="", **tags):
+    return {"status": status, "error": error, "metrics": {} if tps is None else {
+        "decode_tokens_per_s": tps, "ttft_ms": 12.5, "peak_mem_mb": 900.0, "weight_bytes": 269e6, "perplexity": 11.1},
+        "tags": {"kernel_path": "torch.Linear[Parameter]", "quantizer.backend": "torch", **tags}}
+
+
+def test_a_failed_hung_or_crashed_cell_is_a_row_and_the_others_run(tmp_path):
+    outcomes = {
+        "fp16": (0, "", _result("OK", 100.0)),
+        "bnb_int8": (None, "loading...\n", None),  # timed out, killed
+        "bnb_nf4": (1, "ok\nINFO x\nerror: quantizer bnb_nf4 needs bitsandbytes with CUDA\n", None),
+        "fp16_compiled_cudagraphs": (0, "", _result("OK", 250.0, fast_path="compiled")),
+        "gptq_int4": (1, "", _result("FAILED", error="ImportError: No module named 'pcre'\nsecond line")),
+    }
+    seen = []
+
+    def fake(cell, out):
+        seen.append((cell.name, cell.timeout_s))
+        if cell.name == "bnb_nf4":
+            raise OSError("cannot start")
+        return outcomes[cell.name]
+
+    rows = gpu_check.run_cells(list(gpu_check.CELLS), tmp_path, budget_s=540, runner=fake)
+    assert [n for n, _ in seen] == [c.name for c in gpu_check.CELLS]
+    assert all(t <= 540 for _, t in seen)
+    by = {r.cell: r for r in rows}
+    assert by["fp16"].status == "OK" and by["fp16"].decode_tokens_per_s == 100.0
+    assert by["bnb_int8"].status == "TIMEOUT" and "killed" in by["bnb_int8"].error
+    assert by["bnb_nf4"].status == "CRASHED" and "OSError: cannot start" in by["bnb_nf4"].error
+    assert by["fp16_compiled_cudagraphs"].kernel_path == "torch.Linear[Parameter] [compiled]"
+    assert by["gptq_int4"].status == "FAILED" and by["gptq_int4"].error == "ImportError: No module named 'pcre' second line"
+
+    md, js = gpu_check.write_table(rows, tmp_path / "out", {"gpu": "NVIDIA H200", "torch": "2.11.0"})
+    text = md.read_text()
+    assert "NVIDIA H200" in text and "torch 2.11.0" in text
+    table = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| format")]
+    assert len(table) == 5 and all(ln.count("|") == 13 for ln in table)  # one line per cell, no broken cells
+    assert "| 2.50x |" in next(ln for ln in table if ln.startswith("| fp16_compiled_cudagraphs"))
+    data = json.loads(js.read_text())
+    assert [r["status"] for r in data["rows"]] == ["OK", "TIMEOUT", "CRASHED", "OK", "FAILED"]
+    assert data["rows"][0]["weight_bytes"] == 269e6 and data["header"]["gpu"] == "NVIDIA H200"
+
+
+def test_row_from_a_cell_without_a_result_names_why():
+    row = gpu_check.row_from("x", 2, "INFO a\nerror: measure.foo: no such key\n", None, 1.0, 60)
+    assert row.status == "FAILED" and row.error == "exit 2: error: measure.foo: no such key"
+    row = gpu_check.row_from("x", -11, "Traceback ...\n  File x\nRuntimeError: CUDA error: illegal address\n",
+                             None, 1.0, 60)
+    assert row.status == "CRASHED" and row.error == "exit -11: RuntimeError: CUDA error: illegal address"
+
+
+def test_the_budget_skips_cells_instead_of_overrunning(tmp_path):
+    called = []
+    rows = gpu_check.run_cells(list(gpu_check.CELLS), tmp_path, budget_s=30,
+                               runner=lambda c, o: called.append(c) or (0, "", None))
+    assert not called and {r.status for r in rows} == {"SKIPPED"}
+
+
+def test_no_cuda_is_one_line_and_exit_2_before_any_setup(tmp_path):
+    env = {**os.environ, **NO_GPU}
+    out = tmp_path / "out"
+    for cmd in (["bash", str(SH), str(out)], [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out)]):
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.startswith("error: no CUDA device is visible") and done.stderr.count("\n") == 1
+        assert "setup" not in done.stdout and not out.exists()
+
+
+def test_dry_run_prints_the_setup_and_every_cell_command_and_runs_nothing(tmp_path):
+    bundle = tmp_path / "bundle"
+    (bundle / "wheels").mkdir(parents=True)
+    (bundle / "model").mkdir()
+    (bundle / "model" / "part-1").write_bytes(b"GGUF")
+    env = {**os.environ, **NO_GPU, "QB_GPU_BUNDLE": str(bundle), "QB_GPU_SITE": str(tmp_path / "site")}
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(SH), str(out), "--dry-run"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "part-2 is missing" in done.stderr  # a bundle carried by halves is found out
+
+    (bundle / "model" / "part-2").write_bytes(b"rest")
+    done = subprocess.run(["bash", str(SH), str(out), "--dry-run", "--only", "fp16,gptq_int4"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert any(ln.startswith("+ ") and "pip install" in ln and f"--target {tmp_path / 'site'}" in ln for ln in lines)
+    assert any(ln.startswith("+ cat ") and "part-1" in ln and "part-2" in ln for ln in lines)
+    cmds = [ln for ln in lines if "/run.py " in ln]
+    assert len(cmds) == 2 and all(f"tracking.results_dir={out}/cells/" in c for c in cmds)
+    assert "quantizer.calibration_samples=8" in cmds[1] and "measure.max_new_tokens=32" in cmds[0]
+    assert not out.exists() and not (tmp_path / "site").exists()
+
+
+def test_bundle_helpers_prune_a_wheel_and_split_a_file(tmp_path):
+    src = tmp_path / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    names = ["bitsandbytes/__init__.py", "bitsandbytes/libbitsandbytes_cpu.so", "bitsandbytes/libbitsandbytes_cuda118.so",
+             "bitsandbytes/libbitsandbytes_cuda130.so", "bitsandbytes-0.50.2.dist-info/METADATA"]
+    with zipfile.ZipFile(src, "w") as z:
+        for n in names:
+            z.writestr(n, "x" * 10)
+        z.writestr("bitsandbytes-0.50.2.dist-info/RECORD", "".join(f"{n},sha256=abc,10\n" for n in names)
+                   + "bitsandbytes-0.50.2.dist-info/RECORD,,\n")
+    dst = gpu_check.prune_wheel(src, tmp_path / "pruned.whl", gpu_check.bnb_keep)
+    with zipfile.ZipFile(dst) as z:
+        kept = set(z.namelist())
+        record = z.read("bitsandbytes-0.50.2.dist-info/RECORD").decode()
+    assert "bitsandbytes/libbitsandbytes_cuda118.so" not in kept and "cuda118" not in record
+    assert {"bitsandbytes/libbitsandbytes_cuda130.so", "bitsandbytes/libbitsandbytes_cpu.so",
+            "bitsandbytes/__init__.py"} <= kept and "cuda130" in record and "RECORD,," in record
+
+    blob = bytes(range(256)) * 40
+    (tmp_path / "m.gguf").write_bytes(blob)
+    parts = gpu_check.split_file(tmp_path / "m.gguf", tmp_path / "parts", 1000)
+    assert [p.stat().st_size for p in parts] == [1000, len(blob) - 1000]
+    assert b"".join(p.read_bytes() for p in parts) == blob
