@@ -11,25 +11,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from harness import measure
+from harness import measure, run_log, third_party_output
 from harness.config import Experiment
-from harness.prompts import PROMPT_SETS
+from harness.workloads import encode_prompts  # noqa: F401 - re-exported (gate, benchmarks, tests)
 
 log = logging.getLogger("quantbench")
-
-
-def encode_prompts(tokenizer: Any, prompts: list[str], chat_template: bool) -> list[list[int]]:
-    out = []
-    for text in prompts:
-        if chat_template and getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        out.append(list(ids))
-    return out
 
 
 @dataclass
@@ -57,6 +43,13 @@ class TransformersEngine:
 
         fast_path.preflight(exp, device)  # compile=true with a non-compilable quantizer fails here, before loading
 
+    def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
+        """The workload against the model and strategy (harness/workloads.py), at config time."""
+        from harness import workloads
+
+        if measure is not None and parts.get("model") is not None:
+            workloads.check(parts["model"], measure, parts.get("strategy"))
+
     def execute(self, exp: Experiment, device: str) -> Outcome:
         from harness import accuracy as acc
         from harness.models import load_tokenizer
@@ -64,6 +57,10 @@ class TransformersEngine:
 
         m, metrics, tags = exp.measure, {}, {}
         tokenizer = load_tokenizer(exp.model)
+        from harness import workloads
+
+        wl = workloads.resolve(m, tokenizer)  # measure.prompts as ids; exact lengths checked before any weights load
+        workloads.check_resolved(wl, exp.model)
         reference = None
         if exp.accuracy.enabled and exp.accuracy.kl:
             # before the run's model loads: the reference model is freed before peak memory is tracked
@@ -73,8 +70,10 @@ class TransformersEngine:
             gc.collect()
 
         tags["peak_mem_reset"] = str(measure.reset_peak_memory(device))
+        log_file = run_log(exp.tracking.results_dir)  # what libraries print while loading goes here, not to stdout
         t0 = measure.now()
-        model = exp.quantizer.load(exp.model, tokenizer=tokenizer, device=device, experiment=exp)
+        with third_party_output(log_file):
+            model = exp.quantizer.load(exp.model, tokenizer=tokenizer, device=device, experiment=exp)
         metrics["load_s"] = measure.now() - t0
         audit = exp.quantizer.audit(model)
         tags["kernel_path"] = audit.pop("kernel_path")
@@ -82,12 +81,19 @@ class TransformersEngine:
         metrics.update(getattr(exp.quantizer, "last_metrics", {}) or {})
         tags.update(getattr(exp.quantizer, "last_tags", {}) or {})
 
-        opts = DecodeOptions(device=device, max_new_tokens=m.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+        opts = DecodeOptions(device=device, max_new_tokens=wl.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id, stop_at_eos=m.stop_at_eos,
-                             inject_slowdown=m.inject_slowdown, cache=m.cache)
-        exp.strategy.setup(model=model, tokenizer=tokenizer, opts=opts, experiment=exp)
+                             inject_slowdown=m.inject_slowdown, inject_work=m.inject_work, cache=m.cache)
+        if wl.context:  # measure.context_depth: prefilled untimed, reused across calls (strategies/decode.py)
+            from strategies.decode import DepthContext
+
+            opts.context = DepthContext(wl.context)
+        with third_party_output(log_file):  # a draft model loads here
+            exp.strategy.setup(model=model, tokenizer=tokenizer, opts=opts, experiment=exp)
+        if log_file.exists():
+            tags["log_file"] = str(log_file)
         try:
-            prompts = encode_prompts(tokenizer, PROMPT_SETS[m.prompts], m.chat_template)
+            prompts = wl.prompts
             batches = exp.strategy.batches(prompts)
             from harness import fast_path
 
@@ -96,21 +102,30 @@ class TransformersEngine:
             fast = fast_path.prepare(exp, model, opts, batches, path)  # compiles (untimed: metric compile_s)
             if fast is not None:
                 tags["fast_path.attention"] = "sdpa, packed GQA" if fast.packed_gqa else model.config._attn_implementation
+            opts_for = wl.opts_for(opts)  # per-prompt max_new_tokens (JSONL): a batch decodes its longest
             for _ in range(m.warmup):
                 for batch in batches:
-                    exp.strategy.generate(model, batch, opts)
+                    exp.strategy.generate(model, batch, opts_for(batch))
             gens = []
             with fast.timing() if fast else contextlib.nullcontext():  # a recompile here fails the run
                 for _ in range(m.repetitions):
                     for batch in batches:
-                        gens.append(exp.strategy.generate(model, batch, opts))
+                        gens.append(exp.strategy.generate(model, batch, opts_for(batch)))
             if fast:
                 metrics["compile_s"] = fast.compile_s
                 metrics.update(fast_path.check_match(exp.strategy, model, batches, opts, gens, m.compile_match))
                 tags["measure.compile_match"] = m.compile_match
             metrics.update(measure.summarize(gens))
+            metrics.update(workloads.metrics(wl, gens, model.config, metrics.get("params")))
+            tags.update(workloads.record(wl))
             metrics.update(exp.strategy.metrics(gens))
             metrics.update(getattr(exp.strategy, "last_metrics", {}) or {})
+            if m.kernel_profile:  # which linear kernel really ran (tag kernel.linear), outside the timing
+                from harness import kernels
+
+                ktags, kmetrics = kernels.profile_linear(exp.strategy, model, batches[0], opts_for(batches[0]))
+                tags.update(ktags)
+                metrics.update(kmetrics)
         finally:
             exp.strategy.teardown()
         metrics["peak_mem_mb"] = measure.peak_memory_mb(device)

@@ -4,6 +4,9 @@ The peer runs through llama-cpp-python (optional extra: it compiles llama.cpp; `
 To compare like with like, the prompts and the perplexity corpus are tokenized with the *same* HF
 tokenizer the transformers engine uses (for SmolLM2 both tokenizers give identical ids) and the token
 ids are fed to llama.cpp directly; perplexity uses the same `accuracy.windows` and scoring rule.
+Workloads (`measure.prompts`, `prompt_tokens`, `context_depth`, per-prompt lengths) resolve to the same ids
+as engine=transformers (harness/workloads.py); a depth context is evaluated once, untimed, and every call
+starts on top of it (`n_tokens = depth`: `eval` drops the KV positions after it).
 
 Decoding uses llama.cpp's own batch/decode calls through `Llama.eval` with `logits_all=False`, and
 reads the last position's logits with `llama_get_logits_ith(ctx, -1)`: in llama-cpp-python 0.3.36
@@ -29,9 +32,8 @@ from typing import Any
 
 from harness import measure
 from harness.config import Experiment
-from harness.engines import Outcome, encode_prompts
+from harness.engines import Outcome, encode_prompts  # noqa: F401 - encode_prompts re-exported (tests)
 from harness.errors import ConfigError, QuantbenchError, one_of
-from harness.prompts import PROMPT_SETS
 
 log = logging.getLogger("quantbench")
 
@@ -118,6 +120,10 @@ class LlamaCppEngine:
         if measure is not None and (measure.compile or measure.cache != "dynamic"):
             raise QuantbenchError("engine=llama_cpp has its own kernels and KV cache: measure.compile and "
                                   "measure.cache=static apply to engine=transformers only")
+        if measure is not None and model is not None:
+            from harness import workloads
+
+            workloads.check(model, measure, strategy)  # prompt file, lengths vs the GGUF's context_length
 
     def preflight(self, exp: Experiment, device: str) -> None:
         if not available():
@@ -142,8 +148,12 @@ class LlamaCppEngine:
         m, metrics, tags = exp.measure, {}, {}
         threads = torch.get_num_threads()  # the runner set it from measure.threads
         tokenizer = load_tokenizer(exp.model)  # same ids as the transformers engine
-        prompts = encode_prompts(tokenizer, PROMPT_SETS[m.prompts], m.chat_template)
-        need = max(len(p) for p in prompts) + m.max_new_tokens
+        from harness import workloads
+
+        wl = workloads.resolve(m, tokenizer)  # the same ids (and depth context) as engine=transformers
+        workloads.check_resolved(wl, exp.model)
+        prompts, depth = wl.prompts, wl.depth
+        need = depth + max(len(p) + lim for p, lim in zip(prompts, wl.limits, strict=True))
         if exp.accuracy.enabled:
             need = max(need, exp.accuracy.context_length)
 
@@ -157,7 +167,7 @@ class LlamaCppEngine:
         metrics["load_s"] = measure.now() - t0
         try:
             n_vocab = llm.n_vocab()
-            if max(max(p) for p in prompts) >= n_vocab:
+            if max(max(p) for p in prompts + [wl.context or [0]]) >= n_vocab:
                 raise QuantbenchError(f"the HF tokenizer produced ids >= llama.cpp's vocabulary ({n_vocab}); the "
                                       "GGUF and its tokenizer do not match")
             shape = roofline.shape_from_gguf(gguf)
@@ -169,14 +179,19 @@ class LlamaCppEngine:
             def logits_last() -> np.ndarray:
                 return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
 
-            def generate(prompt: list[int]) -> measure.Generation:
-                llm.reset()  # eval drops KV positions >= n_tokens, so the cache starts empty
+            if depth:  # measure.context_depth: prefilled once, untimed; every call starts on top of it
+                llm.reset()
+                llm.eval(wl.context)
+
+            def generate(prompt: list[int], limit: int) -> measure.Generation:
+                llm.reset()  # eval drops KV positions >= n_tokens: the cache starts empty ...
+                llm.n_tokens = depth  # ... or holds exactly the depth context
                 t = measure.now()
                 llm.eval(prompt)
                 tok = int(logits_last().argmax())
                 ttft = measure.now() - t
                 seq, steps = [tok], []
-                for _ in range(m.max_new_tokens - 1):
+                for _ in range(limit - 1):
                     if m.stop_at_eos and tok == tokenizer.eos_token_id:
                         break
                     t = measure.now()
@@ -193,17 +208,20 @@ class LlamaCppEngine:
                 return measure.Generation(sequences=[seq], prompt_tokens=len(prompt), ttft_s=ttft, step_s=steps,
                                           decode_tokens=len(steps))
 
+            pairs = list(zip(prompts, wl.limits, strict=True))
             for _ in range(m.warmup):
-                for p in prompts:
-                    generate(p)
-            gens = [generate(p) for _ in range(m.repetitions) for p in prompts]
+                for p, lim in pairs:
+                    generate(p, lim)
+            gens = [generate(p, lim) for _ in range(m.repetitions) for p, lim in pairs]
             metrics.update(measure.summarize(gens))
+            metrics.update(workloads.metrics(wl, gens))
+            tags.update(workloads.record(wl))
             metrics["batch_size"] = 1.0
             metrics["peak_mem_mb"] = measure.peak_memory_mb(device)
             if metrics.get("decode_tokens_per_s_cv", 0.0) > m.cv_warn:
                 tags["warning.spread"] = (f"decode tokens/s CV {metrics['decode_tokens_per_s_cv']:.1%} > "
                                           f"{m.cv_warn:.0%}: noisy machine? raise measure.repetitions")
-            widths = [(len(p), len(g.step_s)) for p, g in zip(prompts * m.repetitions, gens, strict=True)]
+            widths = [(depth + len(p), len(g.step_s)) for p, g in zip(prompts * m.repetitions, gens, strict=True)]
             group = roofline.run_group(exp, self.name)
             roofline.annotate(metrics, tags, shape, device, threads, roofline.mean_context(widths), group, self.label)
 

@@ -51,11 +51,14 @@ def describe(cell: dict) -> dict[str, Any]:
     """The report's view of one result dict."""
     tags, m, config = cell.get("tags") or {}, cell.get("metrics") or {}, cell.get("config") or {}
     batch = _num(m, "batch_size") or _num(config.get("strategy") or {}, "batch_size") or 1.0
+    depth = _num(m, "context_depth_tokens") or _num(config.get("measure") or {}, "context_depth") or 0.0
     return {
         "cell": tags.get("sweep.cell") or cell.get("run_name") or "?",
         "quantizer": tags.get("quantizer.name") or tags.get("choice.quantizer") or "?",
         "strategy": tags.get("strategy.name") or tags.get("choice.strategy") or "?",
         "batch": int(batch),
+        "depth": int(depth),  # measure.context_depth: tokens in the KV cache before the prompt
+        "tags": tags,
         "status": cell.get("status", "?"),
         "error": cell.get("error", ""),
         "metrics": m,
@@ -67,6 +70,7 @@ def _baseline_speed(rows: list[dict], baseline: str) -> dict[tuple, float]:
     for r in rows:
         tps = _num(r["metrics"], "decode_tokens_per_s")
         if r["status"] == "OK" and r["quantizer"] == baseline and tps:
+            speeds.setdefault((r["strategy"], r["batch"], r["depth"]), tps)
             speeds.setdefault((r["strategy"], r["batch"]), tps)
             speeds.setdefault((r["strategy"],), tps)
             speeds.setdefault((), tps)
@@ -77,10 +81,35 @@ def rows_for(cells: list[dict], baseline: str = "none") -> list[dict]:
     rows = [describe(c) for c in cells]
     speeds = _baseline_speed(rows, baseline)
     for r in rows:
-        base = speeds.get((r["strategy"], r["batch"])) or speeds.get((r["strategy"],)) or speeds.get(())
+        base = (speeds.get((r["strategy"], r["batch"], r["depth"])) or speeds.get((r["strategy"], r["batch"]))
+                or speeds.get((r["strategy"],)) or speeds.get(()))
         tps = _num(r["metrics"], "decode_tokens_per_s")
         r["ratio"] = tps / base if (tps and base and r["status"] == "OK") else None
     return rows
+
+
+def machines(rows: list[dict]) -> list[str]:
+    """The distinct machines the cells ran on (CPU model, ISA tags, threads; GPU name when one ran)."""
+    seen: dict[str, None] = {}
+    for r in rows:
+        t = r["tags"]
+        if not t.get("cpu.isa") and not t.get("device_name"):
+            continue
+        cpu = f"{t.get('cpu_model', '?')} (family {t.get('cpu.family', '?')} model {t.get('cpu.model', '?')}, " \
+              f"{t.get('cpu.isa', '?')}, bf16 {t.get('cpu.bf16', '?')}), {t.get('threads', '?')} threads"
+        gpu = t.get("device_name", "") if str(t.get("device", "")).startswith("cuda") else ""
+        seen[f"{gpu} on {cpu}" if gpu else cpu] = None
+    return list(seen)
+
+
+def _machine_line(rows: list[dict]) -> list[str]:
+    found = machines(rows)
+    if len(found) == 1:
+        return [f"Measured on {found[0]}.", ""]
+    if found:  # speeds from different CPUs are not comparable: say so before the table
+        return [f"**Cells ran on {len(found)} different machines; compare speeds only within one:** "
+                + "; ".join(found) + ".", ""]
+    return []
 
 
 def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
@@ -90,7 +119,7 @@ def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
     lines = [f"# {title}", "",
              f"{len(rows)} cell(s): " + ", ".join(f"{n} {s}" for s, n in sorted(_counts(rows).items())) + ". "
              f"Speed ratio against the `{baseline}` cell of the same strategy and batch size; KL and top-1 "
-             "against the unquantized reference.", "",
+             "against the unquantized reference.", "", *_machine_line(rows),
              "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         m = r["metrics"]
@@ -104,11 +133,51 @@ def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
                 _fmt(_num(m, "kl_div_mean"), "{:.4f}"), _fmt(_num(m, "top1_agreement"), "{:.3f}"),
                 *[_fmt(_num(m, k), f) for k, _, f in extras], r["status"]]
         lines.append("| " + " | ".join(cols) + " |")
-    bad = [r for r in rows if r["status"] != "OK"]
+    bad = [r for r in rows if r["status"] not in ("OK", "SKIPPED")]
     if bad:
         lines += ["", "## Cells that did not finish", ""]
         lines += [f"- **{r['cell']}** [{r['status']}]: {r['error'] or 'no message'}" for r in bad]
+    skipped = [r for r in rows if r["status"] == "SKIPPED"]
+    if skipped:  # not failures: the cell cannot run on this hardware (the sweep still succeeds)
+        lines += ["", "## Cells skipped on this machine", ""]
+        lines += [f"- **{r['cell']}** [SKIPPED]: {r['error'] or 'no reason given'}" for r in skipped]
     return "\n".join(lines) + "\n"
+
+
+def _mean_sd(m: dict, key: str) -> str:
+    mean, sd = _num(m, f"{key}_mean"), _num(m, f"{key}_sd")
+    return "—" if mean is None else f"{mean:.2f} ± {sd or 0.0:.2f}"
+
+
+def bench_table(rows: list[dict]) -> str:
+    """llama-bench's table (one row per test: pp = prompt processing, tg = generation; t/s as mean ± sd
+    over the timed calls) for the cells that ran fixed-length synthetic prompts (harness/workloads.py)."""
+    lines = []
+    for r in rows:
+        m, tags = r["metrics"], r["tags"]
+        if r["status"] != "OK" or tags.get("workload.kind") != "synthetic":
+            continue
+        engine = tags.get("engine", "?")
+        fmt = (f"llama.cpp {tags.get('kernel_path', '').split('[', 1)[-1].split(':', 1)[0]}" if engine == "llama_cpp"
+               else f"quantbench {r['quantizer']}" + (f" ({tags['quantizer.backend']})"
+                                                      if tags.get("quantizer.backend") else ""))
+        size, params = _num(m, "weight_bytes"), _num(m, "params")
+        head = [tags.get("model.name", "?"), fmt, _fmt(size / 2**20 if size else None, "{:.2f} MiB"),
+                _fmt(params / 1e6 if params else None, "{:.2f} M"), str(tags.get("threads", "?")),
+                str(r["batch"])]
+        if (_num(m, "prompt_len_tokens") or 0) > 1 and _num(m, "prompt_tokens_per_s_mean"):
+            lines.append("| " + " | ".join([*head, tags.get("workload.pp", "?"),
+                                            _mean_sd(m, "prompt_tokens_per_s")]) + " |")
+        if _num(m, "decode_tokens_per_s_mean"):
+            lines.append("| " + " | ".join([*head, tags.get("workload.tg", "?"),
+                                            _mean_sd(m, "decode_tokens_per_s")]) + " |")
+    if not lines:
+        return ""
+    return "\n".join(["", "## Prompt processing and generation (llama-bench's table)", "",
+                       "pp = prefill tokens/s (TTFT), tg = decode tokens/s, mean ± sd over the timed calls, on "
+                       "the same seeded token ids for every engine (`workload.hash` tag).", "",
+                       "| model | engine | size | params | threads | batch | test | t/s |",
+                       "|---|---|---|---|---|---|---|---|", *lines]) + "\n"
 
 
 def _counts(rows: list[dict]) -> dict[str, int]:
@@ -156,8 +225,11 @@ def write_report(folder: Path, cells: list[dict], baseline: str = "none", title:
     folder.mkdir(parents=True, exist_ok=True)
     rows = rows_for(cells, baseline)
     md = folder / "report.md"
-    md.write_text(markdown(rows, baseline, title))
+    from harness import crossover
+
+    md.write_text(markdown(rows, baseline, title) + bench_table(rows) + crossover.section(rows, baseline))
     paths = [md, plot(rows, folder / "report.png", title)]
+    paths += crossover.write(folder, rows, baseline, title)  # cells varying batch size / context depth
     bound = [{"label": r["cell"], "decode_tokens_per_s": _num(r["metrics"], "decode_tokens_per_s"),
               "roofline_tokens_per_s": _num(r["metrics"], "roofline_tokens_per_s")}
              for r in rows if r["status"] == "OK" and _num(r["metrics"], "roofline_tokens_per_s")]

@@ -8,12 +8,17 @@ How a Hydra multirun becomes a sweep (any launcher: basic, submitit_local, ...):
   state every job reads (its path also goes to the jobs through $QUANTBENCH_SWEEP_STATE).
 - Each Hydra job calls `run_cell(cfg)` (run.py does this in MULTIRUN mode). It never loads a model:
   it validates the cell, skips it when an OK result for the same config hash and code version exists
-  (resume), else runs `harness.runner.run` in a *spawned* child process with a timeout, classifies
+  (resume), else runs `harness.runner.run` in a child process of its own with a timeout, classifies
   what happened (OK, FAILED, OOM, TIMEOUT, CRASHED, KILLED), writes `results/<sweep>/cells/<hash>.json`
   and logs a nested MLflow run under the parent. It never raises for a failed cell, so the sweep goes on.
 - `SweepCallback.on_multirun_end` reads the cells of this invocation back from disk (so the result is
   the same whatever the launcher and wherever the jobs ran), writes report.md / report.png, logs them to
   the parent run, ends it, and sets the exit code run.py returns (non-zero when any cell is not OK).
+
+Warm cells: the child is forked from a `forkserver` that imported torch, transformers and the harness once
+(harness/preload.py), so a cell pays no interpreter start or imports (`sweep.start_method=spawn` gives
+each cell a fresh interpreter instead). The server only imports, never computes, so every child starts
+from the same clean state; the parent's environment and working directory are handed to each child.
 
 Everything a job needs travels through files, never through in-process globals, which is what keeps
 results identical under hydra/launcher=submitit_local. The in-process globals below only drive the
@@ -42,14 +47,17 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import TrackingConfig, _positive, _Validated, to_plain
-from harness.errors import ConfigError, QuantbenchError
-from harness.runner import Result, config_hash
+from harness.errors import ConfigError, QuantbenchError, Unsupported
+from harness.measure import resolve_device
+from harness.runner import SUCCESS, Result, config_hash
 
 log = logging.getLogger("quantbench")
 
 STATE_ENV = "QUANTBENCH_SWEEP_STATE"
 FAULT_ENV = "QUANTBENCH_TEST_FAULTS"  # test-only, see module docstring
 FAULTS = ("kill", "hang", "oom")
+START_METHODS = ("forkserver", "spawn")  # forkserver: forked from a pre-imported server; spawn: fresh interpreter
+PRELOAD = ("harness.preload",)  # what the forkserver imports once for every cell
 DEFAULT_NAME = "adhoc"  # sweep folder for a multirun without an experiment name
 
 _EXIT = {"code": 0}
@@ -65,6 +73,7 @@ class SweepSettings(_Validated):
     startup_timeout_s: float = 600.0  # the child's imports (torch, transformers) under a loaded machine
     resume: bool = True  # skip cells with an OK result for the same config hash and code version
     baseline: str = "none"  # quantizer name the report's speed ratio compares with
+    start_method: str = "forkserver"  # forkserver (warm: imports done once) | spawn (a fresh interpreter per cell)
 
     _section = "sweep"
 
@@ -74,6 +83,9 @@ class SweepSettings(_Validated):
         _positive(p, "sweep.startup_timeout_s", self.startup_timeout_s)
         if not isinstance(self.resume, bool):
             p.append(f"sweep.resume={self.resume!r} must be true or false")
+        if self.start_method not in START_METHODS:
+            p.append(f"sweep.start_method={self.start_method!r} is not allowed; choose one of: "
+                     f"{', '.join(START_METHODS)}")
         return p
 
 
@@ -276,21 +288,45 @@ def _get(config: dict, dotted: str) -> Any:
     return node
 
 
+def _alive(pid: int, created: float | None) -> bool:
+    import psutil
+
+    try:
+        return created is None or psutil.Process(pid).create_time() == created  # a recycled pid is not it
+    except psutil.Error:
+        return False
+
+
 def _watch_parent(parent_pid: int) -> None:
-    # A SIGKILLed sweep cannot kill its child; the child notices and exits instead of running on.
+    # A SIGKILLed sweep cannot kill its child; the child notices and exits instead of running on. The
+    # sweep is the child's parent (spawn) or its grandparent (forkserver: the server outlives the sweep
+    # while this child holds its pipe), so watch the sweep's pid itself, and the parent too.
+    import psutil
+
+    first_ppid = os.getppid()
+    try:
+        created: float | None = psutil.Process(parent_pid).create_time()
+    except psutil.Error:
+        os._exit(70)
     while True:
-        if os.getppid() != parent_pid:
+        if os.getppid() != first_ppid or not _alive(parent_pid, created):
             os._exit(70)
         time.sleep(1.0)
 
 
-def _child_main(config: dict, conn: Any, fault: str, parent_pid: int) -> None:
-    """Entry point of the spawned child: run one cell and send its Result back."""
+def _child_main(config: dict, conn: Any, fault: str, parent_pid: int, environ: dict | None = None,
+                cwd: str | None = None) -> None:
+    """Entry point of the cell's child: run one cell and send its Result back."""
     try:
         os.setpgrp()  # own process group: a terminal Ctrl-C goes to the sweep, which ends us cleanly
     except OSError:
         pass
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    if environ is not None:  # a forkserver child inherits the server's environment, not the sweep's of now
+        os.environ.clear()
+        os.environ.update(environ)
+    if cwd:
+        os.chdir(cwd)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from harness import quiet_third_party, runner
 
@@ -338,15 +374,36 @@ def _crash_message(exitcode: int | None) -> str:
     return f"cell's child process exited with code {exitcode} before reporting a result"
 
 
-def run_isolated(config: dict, settings: SweepSettings, fault: str = "") -> Result:
-    """Run one cell in a spawned child process; classify how it ended. Never raises (but re-raises
-    KeyboardInterrupt after killing the child, so an interrupted sweep can record and stop)."""
+def mp_context(method: str = "forkserver") -> Any:
+    """The multiprocessing context cells start with (module docstring: warm cells)."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA/thread state or leaks shared between cells
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (once per process)
+    return ctx
+
+
+def warm_up(settings: SweepSettings) -> None:
+    """Start the forkserver now, so its imports overlap the sweep's own start (MLflow, first cell's checks)."""
+    if settings.start_method == "forkserver":
+        from multiprocessing import forkserver
+
+        mp_context("forkserver")
+        forkserver.ensure_running()
+
+
+def run_isolated(config: dict, settings: SweepSettings, fault: str = "") -> Result:
+    """Run one cell in a child process of its own; classify how it ended. Never raises (but re-raises
+    KeyboardInterrupt after killing the child, so an interrupted sweep can record and stop).
+
+    Metrics `cell_start_s` (until the child is ready: fork or interpreter start and imports) and
+    `cell_wall_s` (the whole cell as the sweep sees it) are added to a result the child returns."""
+    ctx = mp_context(settings.start_method)  # one process per cell: no CUDA/thread state or leaks shared
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child_main, args=(config, send, fault, os.getpid()), name="quantbench-cell")
-    started = time.time()
+    proc = ctx.Process(target=_child_main, args=(config, send, fault, os.getpid(), dict(os.environ), os.getcwd()),
+                       name="quantbench-cell")
+    started, t0, ready_s = time.time(), time.monotonic(), None
     proc.start()
     send.close()
     deadline = time.monotonic() + settings.startup_timeout_s
@@ -359,6 +416,7 @@ def run_isolated(config: dict, settings: SweepSettings, fault: str = "") -> Resu
                 except (EOFError, OSError):
                     break  # the child died; its exit code says how
                 if kind == "ready":
+                    ready_s = time.monotonic() - t0
                     phase, limit = "run", settings.timeout_s
                     deadline = time.monotonic() + settings.timeout_s
                 elif kind == "result":
@@ -383,6 +441,9 @@ def run_isolated(config: dict, settings: SweepSettings, fault: str = "") -> Resu
             _kill_group(proc)
         result = Result.from_dict(payload)
         result.started = result.started or started
+        result.metrics.update({"cell_start_s": ready_s if ready_s is not None else float("nan"),
+                               "cell_wall_s": time.monotonic() - t0})
+        result.tags["sweep.start_method"] = settings.start_method
         return result
     proc.join(10)
     return _finish(Result(status="CRASHED", config=config, error=_crash_message(proc.exitcode)), config, started)
@@ -478,14 +539,16 @@ def run_cell(cfg: Any) -> int:
                 and previous.get("tags", {}).get("git_commit") == state.commit):
             _relink(previous, path, state)
             _say(f"[skip] {label}: OK result for config {chash} at commit {state.commit[:12]} exists ({path})")
-            _progress("skipped")
+            _progress("resumed")  # a resumed OK cell (not status SKIPPED: that one cannot run here)
             return 0
         exp = build(config)  # a config error fails the cell here, in a second, with no child at all
         exp.model.preflight()
+        exp.quantizer.preflight(resolve_device(exp.measure.device))  # "needs CUDA" here: SKIPPED, no child started
         result = run_isolated(config, settings, fault_for(config))
     except QuantbenchError as exc:
-        result = _finish(Result(status="FAILED", config=config, error=str(exc),
-                                traceback=traceback.format_exc()), config, time.time())
+        skipped = isinstance(exc, Unsupported)  # cannot run on this machine: recorded SKIPPED, the sweep goes on
+        result = _finish(Result(status="SKIPPED" if skipped else "FAILED", config=config, error=str(exc),
+                                traceback="" if skipped else traceback.format_exc()), config, time.time())
     except KeyboardInterrupt as exc:
         result = _finish(Result(status="KILLED", config=config,
                                 error=f"sweep interrupted ({getattr(exc, 'signame', 'SIGINT')}) while this cell ran"),
@@ -496,7 +559,7 @@ def run_cell(cfg: Any) -> int:
     _record(result, path, state, label, choices, previous, tcfg)
     _say(summary_line(result))
     _progress(result.status)
-    return 0 if result.status == "OK" else 1
+    return 0 if result.status in SUCCESS else 1
 
 
 def _read_json(path: Path) -> dict | None:
@@ -552,7 +615,8 @@ def start_sweep(config_with_hydra: Any) -> SweepState:
 
     config = _plain_without_hydra(config_with_hydra)
     hydra_cfg = config_with_hydra.hydra if "hydra" in config_with_hydra else None
-    settings_from(config)
+    settings = settings_from(config)
+    warm_up(settings)  # the forkserver imports torch & co. while the sweep opens its MLflow run
     tcfg = TrackingConfig(**(config.get("tracking") or {}))
     folder = sweep_folder(config)
     cells = None
@@ -629,7 +693,7 @@ def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
     counts: dict[str, int] = {}
     for c in cells:
         counts[c.get("status", "?")] = counts.get(c.get("status", "?"), 0) + 1
-    bad = sum(v for k, v in counts.items() if k != "OK") + missing
+    bad = sum(v for k, v in counts.items() if k not in SUCCESS) + missing  # SKIPPED: cannot run here, not a failure
     status = "KILLED" if interrupted else ("OK" if bad == 0 else "FAILED")
     paths: list[Path] = []
     try:
@@ -643,11 +707,10 @@ def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
     _EXIT["code"] = 1 if bad or interrupted else 0
     where = paths[0] if paths else folder
     print(f"sweep {state.name}: {len(cells)} cell(s): {summary}; report: {where}", flush=True)
-    if bad:
-        for c in cells:
-            if c.get("status") != "OK":
-                print(f"  [{c.get('status')}] {c.get('tags', {}).get('sweep.cell', c.get('run_name'))}: "
-                      f"{c.get('error', '')}", flush=True)
+    for c in cells:  # every cell that is not OK (failed or skipped), each with its one-line reason
+        if c.get("status") != "OK":
+            print(f"  [{c.get('status')}] {c.get('tags', {}).get('sweep.cell', c.get('run_name'))}: "
+                  f"{c.get('error', '')}", flush=True)
     return _EXIT["code"]
 
 

@@ -15,6 +15,7 @@ import torch
 
 from harness.measure import Generation, model_grad_mode, now, sync
 from strategies.base import DecodeOptions
+from strategies.inject import injected_step
 
 
 def left_pad(batch: list[list[int]], pad_id: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +44,53 @@ def forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
     return out.logits[:, -1, :]
 
 
+class DepthContext:
+    """`measure.context_depth`: the same `ids` sit in the KV cache before every prompt (llama-bench's -d).
+
+    They are prefilled untimed, in chunks of `CHUNK` tokens (bounded attention memory), once per batch size:
+    at batch 1, then repeated for every row (identical rows give identical K/V, so a batch of 16 at depth
+    4096 costs one 4096-token prefill, not 16). After each generation the dynamic cache is cropped back to
+    the depth, so warmup and repetitions reuse it. A static cache (measure.cache=static) has a fixed length
+    per call and is prefilled at the batch size for every call instead.
+    """
+
+    CHUNK = 512
+
+    def __init__(self, ids: list[int]):
+        self.ids = list(ids)
+        self._caches: dict[int, Any] = {}
+
+    @property
+    def depth(self) -> int:
+        return len(self.ids)
+
+    def _prefill(self, model: Any, cache: Any, bsz: int, device: str) -> None:
+        for start in range(0, self.depth, self.CHUNK):
+            chunk = self.ids[start:start + self.CHUNK]
+            x = torch.tensor([chunk] * bsz, dtype=torch.long, device=device)
+            pos = torch.arange(start, start + len(chunk), device=device)
+            mask = torch.ones((bsz, start + len(chunk)), dtype=torch.long, device=device)
+            forward(model, x, mask, pos[None].expand(bsz, -1), cache, pos)
+
+    def cache_for(self, model: Any, opts: DecodeOptions, bsz: int, new_len: int) -> Any:
+        """A cache holding exactly the depth tokens, for `new_len` more positions per row."""
+        if opts.cache == "static":
+            cache = make_cache(model, opts, bsz, self.depth + new_len)
+            self._prefill(model, cache, bsz, opts.device)
+            return cache
+        cache = self._caches.get(bsz)
+        if cache is None:
+            cache = make_cache(model, opts, 1, self.depth)
+            self._prefill(model, cache, 1, opts.device)
+            if bsz > 1:
+                cache.batch_repeat_interleave(bsz)
+            self._caches[bsz] = cache
+        extra = cache.get_seq_length() - self.depth
+        if extra > 0:
+            cache.crop(-extra)  # drop the previous generation's prompt and tokens
+        return cache
+
+
 @model_grad_mode  # inference_mode, or no_grad where the quantizer needs it
 def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
                     step_fn: Any = None) -> Generation:
@@ -54,11 +102,16 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
     device = opts.device
     ids, mask = left_pad(batch, opts.pad_token_id, device)
     bsz, width = ids.shape
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
     fast = opts.fast_path  # compiled path: its own reused fixed-length static cache and compiled step
-    cache = (fast.make_cache(model, bsz, width + opts.max_new_tokens) if fast is not None
-             else make_cache(model, opts, bsz, width + opts.max_new_tokens))
-    cache_position = torch.arange(width, device=device)
+    depth = opts.context.depth if opts.context is not None else 0  # tokens already in the cache (untimed)
+    if opts.context is not None:
+        cache = opts.context.cache_for(model, opts, bsz, width + opts.max_new_tokens)
+        mask = torch.cat([mask.new_ones((bsz, depth)), mask], dim=1)  # the mask spans the whole cache
+    else:
+        cache = (fast.make_cache(model, bsz, width + opts.max_new_tokens) if fast is not None
+                 else make_cache(model, opts, bsz, width + opts.max_new_tokens))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, depth:]
+    cache_position = torch.arange(depth, depth + width, device=device)
     step = step_fn or (fast.step if fast is not None else forward)
 
     sync(device)
@@ -79,7 +132,7 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
             break
         mask = torch.cat([mask, mask.new_ones((bsz, 1))], dim=1)
         last_pos = last_pos + 1
-        cpos = torch.tensor([width + i], device=device)
+        cpos = torch.tensor([depth + width + i], device=device)
         sync(device)
         t = now()
         logits = step(model, nxt[:, None], mask, last_pos, cache, cpos)
@@ -87,13 +140,8 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
         tokens = nxt.tolist()
         sync(device)
         dt = now() - t
-        if opts.inject_slowdown > 0:  # test-only: makes the step really slower, inside the timing
-            # spin, not sleep: sleep(0.1 ms) measured 0.18 ms median here (OS wake-up latency), so a 10% sleep
-            # stretched tiny-model steps by far more than 10% and would overstate the gate's power
-            until = t + dt * (1.0 + opts.inject_slowdown)
-            while now() < until:
-                pass
-            dt = now() - t
+        if opts.inject_slowdown > 0 or opts.inject_work > 0:  # test-only: a slower step, inside the timing
+            dt = injected_step(opts, t, dt)  # spin-wait or real extra work (strategies/inject.py)
         step_s.append(dt)
         for row, tok in enumerate(tokens):
             if done[row]:
@@ -102,5 +150,5 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
             decode_tokens += 1
             if opts.stop_at_eos and tok == opts.eos_token_id:
                 done[row] = True
-    return Generation(sequences=sequences, prompt_tokens=int(mask[:, :width].sum()), ttft_s=ttft,
+    return Generation(sequences=sequences, prompt_tokens=int(mask[:, depth:depth + width].sum()), ttft_s=ttft,
                       step_s=step_s, decode_tokens=decode_tokens)

@@ -27,6 +27,8 @@ NARROW = {
     "quant_sweep": ["quantizer=torchao_int8"],
     "batch_scaling": ["quantizer=int4", "strategy.batch_size=4"],
     "spec_decode": ["strategy.draft=prompt_lookup", "strategy.num_draft_tokens=2"],
+    "llama_bench": ["engine=transformers", "workload=tg128"],  # llama.cpp needs a GGUF: tests/test_workloads.py
+    "crossover": ["quantizer=int8", "strategy.batch_size=2", "measure.context_depth=16"],
 }
 
 

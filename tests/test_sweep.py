@@ -1,7 +1,8 @@
 """Sweeps: isolation, fault drills (FAILED / CRASHED / TIMEOUT / OOM / KILLED), resume, report, exit codes.
 
 The drills run the real CLI (`python run.py -m ...`) on the tiny model, so they exercise Hydra's launcher,
-the callback, the spawned children and MLflow exactly as a user's sweep does.
+the callback, the cells' child processes (forked from a pre-imported forkserver) and MLflow exactly as a
+user's sweep does.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from conftest import ROOT
 
 from harness import report, sweep
+from harness.errors import ConfigError
 
 TINY = ["model=tiny_random", "measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0",
         "accuracy.enabled=false", "tracking.experiment=drill"]
@@ -101,7 +103,8 @@ def test_fault_drill_then_resume_reruns_only_the_bad_cells(tmp_path):
     assert not [r for r in runs if r.info.status == "RUNNING"]
 
 
-def test_oom_in_the_child_is_recorded_as_oom(compose):
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_oom_in_the_child_is_recorded_as_oom(compose, start_method):
     from harness.config import to_plain
 
     config = to_plain(compose(TINY))
@@ -112,21 +115,45 @@ def test_oom_in_the_child_is_recorded_as_oom(compose):
     finally:
         del os.environ[sweep.FAULT_ENV]
     assert fault == "oom"
-    result = sweep.run_isolated(config, sweep.SweepSettings(timeout_s=120), fault)
+    result = sweep.run_isolated(config, sweep.SweepSettings(timeout_s=120, start_method=start_method), fault)
     assert result.status == "OOM" and "simulated out of memory" in result.error
     assert result.config_hash and result.tags["status"] == "OOM"
 
 
+def test_warm_cell_runs_with_the_sweeps_environment_of_now(compose, tmp_path, monkeypatch):
+    """A forkserver child inherits the server's environment from when the server started; the cell must
+    run with the sweep's environment and working directory of the moment it starts (here: the cache root)."""
+    from harness.config import to_plain
+
+    sweep.warm_up(sweep.SweepSettings())  # the server exists before the environment changes
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    config = to_plain(compose([*TINY, "tracking.enabled=false", f"tracking.results_dir={tmp_path}/results"]))
+    config.pop("hydra", None)
+    result = sweep.run_isolated(config, sweep.SweepSettings(timeout_s=120))
+    assert result.status == "OK", result.error
+    assert result.tags["sweep.start_method"] == "forkserver"
+    assert list((tmp_path / "cache" / "models").glob("tiny_random-*"))  # the child used the new cache root
+    assert 0 <= result.metrics["cell_start_s"] <= result.metrics["cell_wall_s"]
+
+
+def test_start_method_is_validated():
+    with pytest.raises(ConfigError, match="sweep.start_method='fork' is not allowed; choose one of: forkserver, spawn"):
+        sweep.SweepSettings(start_method="fork")
+
+
 def _spawned_child(pid: int, wait_s: float = 240) -> int:
+    """The running cell's process under sweep `pid`: a spawned interpreter, or a child of the forkserver."""
     import psutil
 
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
         for p in psutil.Process(pid).children(recursive=True):
             try:
-                if "spawn_main" in " ".join(p.cmdline()):
+                cmd = " ".join(p.cmdline())
+                if "spawn_main" in cmd or ("forkserver" in cmd and "forkserver" in " ".join(p.parent().cmdline())):
                     return p.pid
-            except psutil.Error:
+            except (psutil.Error, AttributeError):
                 continue
         time.sleep(0.5)
     raise AssertionError("the sweep never started a cell")
@@ -144,6 +171,7 @@ def test_sigterm_kills_the_cell_and_closes_the_sweep(tmp_path):
 
     proc = _popen(["name=term", "quantizer=fp32"], tmp_path, {"hang": {"quantizer.dtype": "float32"}})
     child = _spawned_child(proc.pid)
+    assert "forkserver" in " ".join(psutil.Process(child).parent().cmdline())  # a warm cell by default
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
