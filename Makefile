@@ -20,9 +20,9 @@ test: setup-all
 lint: setup
 	$(PY) -m ruff check .
 
-# MLflow UI on the local store, loopback only
+# MLflow UI on the local store, loopback only; prints a link to each experiment's runs table (harness/ui.py)
 ui: setup
-	$(PY) -m mlflow ui --backend-store-uri sqlite:///$(CURDIR)/results/mlflow.db --host 127.0.0.1 --port 5000
+	$(PY) -m harness.ui --backend-store-uri sqlite:///$(CURDIR)/results/mlflow.db --port 5000
 
 clean-cache:
 	rm -rf $${QUANTBENCH_CACHE:-$$HOME/.cache/quantbench}

@@ -1,14 +1,17 @@
 #!/usr/bin/env python
-"""quantbench entry point: `python run.py [+experiment=<name>] [group=option ...] [key=value ...]`.
+"""quantbench entry point: `python run.py [-v] [-m] [+experiment=<name>] [group=option ...] [key=value ...]`.
 
-Composes the Hydra config, validates all of it (one line per problem, before any model loads), runs the
-experiment and records it (result JSON under results/, then MLflow). Exit codes: 0 ok, 1 the run
-failed (recorded as FAILED), 2 invalid input.
+Composes the Hydra config, validates all of it (every cell of a sweep too: one line, before any model
+loads; harness.cli.precheck), runs the experiment and records it (result JSON under results/, then
+MLflow). Exit codes: 0 ok, 1 the run failed or cannot run on this machine (recorded FAILED, or SKIPPED with
+a one-line reason such as "needs CUDA"; a sweep counts SKIPPED cells as done), 2 invalid input. Third-party output
+(gptqmodel's progress, library warnings) goes to the run's log file; `-v` shows it on the terminal.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from omegaconf import DictConfig
 from harness.config import register_configs
 
 CONF = Path(__file__).resolve().parent / "conf"
-GROUPS = ("model", "quantizer", "strategy", "engine", "experiment")
+GROUPS = ("model", "quantizer", "strategy", "engine", "experiment", "workload")
 
 
 def check_group_choices(argv: list[str]) -> str | None:
@@ -42,9 +45,12 @@ def main(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from harness import LOG_ENV
     from harness.cli import run_one
 
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
+    hc = HydraConfig.get()  # the job's log file (Hydra's) also takes third-party output (cells' children inherit it)
+    os.environ[LOG_ENV] = str(Path(hc.runtime.output_dir) / f"{hc.job.name}.log")
+    if hc.mode == RunMode.MULTIRUN:
         from harness.sweep import run_cell
 
         return run_cell(cfg)  # isolated child per cell, resume; the sweep goes on after a failed cell
@@ -55,7 +61,14 @@ def main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
-    if (problem := check_group_choices(sys.argv[1:])):
+    from harness import VERBOSE_FLAGS, set_verbose
+
+    if any(a in VERBOSE_FLAGS for a in sys.argv[1:]):  # ours, not Hydra's: taken out before Hydra parses argv
+        set_verbose()
+        sys.argv = [a for a in sys.argv if a not in VERBOSE_FLAGS]
+    from harness.cli import precheck
+
+    if (problem := check_group_choices(sys.argv[1:]) or precheck(sys.argv[1:])):
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -1,6 +1,15 @@
 """quantbench harness: config, models, measurement, accuracy, tracking (see README)."""
 
+import contextlib
 import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+VERBOSE_FLAGS = ("-v", "--verbose")  # run.py: show third-party output on the terminal
+VERBOSE_ENV = "QUANTBENCH_VERBOSE"  # set by -v; inherited by a sweep's cell processes
+LOG_ENV = "QUANTBENCH_LOG_FILE"  # the run's log file; run.py sets Hydra's job log (results/hydra/.../run.log)
 
 
 def quiet_third_party() -> None:
@@ -9,3 +18,84 @@ def quiet_third_party() -> None:
     for name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree", "mlflow.store.db.utils",
                  "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def set_verbose() -> None:
+    os.environ[VERBOSE_ENV] = "1"
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def run_log(results_dir: str | os.PathLike = "results") -> Path:
+    """Where third-party output of this run goes: $QUANTBENCH_LOG_FILE, else a file under <results_dir>/logs/."""
+    if os.environ.get(LOG_ENV):
+        return Path(os.environ[LOG_ENV])
+    return Path(results_dir) / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+
+
+def _is_console(stream, originals) -> bool:
+    if stream is None or any(stream is s for s in (*originals, sys.__stdout__, sys.__stderr__)):
+        return True
+    try:
+        return stream.fileno() in (1, 2)
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def third_party_output(path: str | os.PathLike | None):
+    """Send what libraries write to stdout/stderr inside the block to the log file `path`.
+
+    Why: gptqmodel alone prints ~24k progress lines while it calibrates. Both the file descriptors 1 and
+    2 (native code, subprocesses, handlers bound to the original streams) and Python's sys.stdout and
+    sys.stderr are redirected, so nothing escapes by either route. quantbench's own log records still
+    reach the terminal (and the file). With `-v` ($QUANTBENCH_VERBOSE) nothing is redirected.
+    """
+    if path is None or verbose():
+        yield None
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    originals = (sys.stdout, sys.stderr)
+    for stream in originals:
+        with contextlib.suppress(Exception):
+            stream.flush()
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    text = os.fdopen(os.dup(log_fd), "w", buffering=1, encoding="utf-8", errors="replace")
+    terminal = os.fdopen(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
+    ours = logging.getLogger("quantbench")
+    handlers = [logging.StreamHandler(terminal), logging.StreamHandler(text)]
+    for h in handlers:
+        h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    propagate = ours.propagate
+    swapped = []  # console handlers of the root logger (basicConfig's, Hydra's): library records go to the file
+    try:
+        for h in logging.getLogger().handlers:
+            if isinstance(h, logging.StreamHandler) and _is_console(h.stream, originals):
+                swapped.append((h, h.setStream(text)))
+        for fd in (1, 2):
+            os.dup2(log_fd, fd)
+        ours.propagate = False  # ours: once to the terminal, once to the file, never via the redirected fds
+        for h in handlers:
+            ours.addHandler(h)
+        text.write(f"--- third-party output, {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            yield path
+    finally:
+        for stream in (*originals, text):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        for h in handlers:
+            ours.removeHandler(h)
+        ours.propagate = propagate
+        for h, stream in swapped:
+            h.setStream(stream)
+        for fd, dup in saved.items():
+            os.dup2(dup, fd)
+            os.close(dup)
+        for f in (text, terminal):
+            f.close()
+        os.close(log_fd)

@@ -1,13 +1,131 @@
-"""What run.py does with a composed config (kept out of run.py so tests can call it in-process)."""
+"""What run.py does with a composed config (kept out of run.py so tests can call it in-process).
+
+`precheck(argv)` is run.py's gate before Hydra starts: it composes the config of every run the command
+line asks for (each cell of a multirun sweep too) and validates it, so every bad input ends in one line
+and exit 2 before any model loads, instead of Hydra's multi-line report (exit 1) or a FAILED run.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from pathlib import Path
 
 from omegaconf import DictConfig
 
 from harness.config import build
 from harness.errors import QuantbenchError
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+HYDRA_RUN_FLAGS = ("-m", "--multirun")  # other Hydra flags (--help, --cfg, --info, -c ...) skip the precheck
+GROUPS = ("model", "quantizer", "strategy", "engine")
+KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _compose(overrides: list[str], hydra: bool = False) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from harness.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose_problem(exc: BaseException, overrides: list[str]) -> str:
+    """One line for a Hydra/OmegaConf composition error: the key, and what it allows."""
+    cause = exc.__cause__ or exc
+    key = getattr(cause, "full_key", None)
+    schema = getattr(cause, "object_type", None)
+    fields = {f.name: str(f.type) for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+    allowed = ", ".join(f for f in fields if not f.startswith("_"))
+    value = next((o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == key), None)
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    if key and isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        section = str(key).split(".")[0]
+        if not allowed and section in GROUPS:  # an option's own keys: those of the class it names
+            from harness.config import _fields_of
+
+            rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+            try:
+                target = _compose(rest)[section]["_target_"]
+                allowed = ", ".join(_fields_of(target))
+                key = f"{key} ({target.rsplit('.', 1)[-1]})"
+            except Exception:  # noqa: BLE001 - only enriches the message
+                pass
+        return f"{key} is not a known key" + (f"; allowed: {allowed}" if allowed else "")
+    name = str(key).rsplit(".", 1)[-1]
+    if key and isinstance(cause, ValidationError) and name in fields and fields[name] in KINDS:
+        return f"{key}={value!r} must be {KINDS[fields[name]]}"
+    first = (getattr(cause, "msg", None) or str(cause) or type(cause).__name__).splitlines()[0]
+    return f"{key}: {first}" if key else " ".join(str(exc).split()) or first
+
+
+def precheck(argv: list[str]) -> str | None:
+    """Compose and validate every run `argv` asks for (no model loads); the first problem as one line."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    if any(a.startswith("-") and a not in HYDRA_RUN_FLAGS for a in argv):
+        return None  # Hydra's own flags: let Hydra answer
+    overrides = [a for a in argv if not a.startswith("-")]
+    parser = OverridesParser.create()
+    parsed = []
+    for o in overrides:
+        try:
+            parsed += parser.parse_overrides([o])
+        except OverrideParseException as exc:
+            return (f"could not parse the override {o!r} ({str(exc).splitlines()[0]}); write key=value, see "
+                    "https://hydra.cc/docs/advanced/override_grammar/basic/")
+    sweeps = [o for o, p in zip(overrides, parsed, strict=True) if p.is_sweep_override()]
+    base = [o for o, p in zip(overrides, parsed, strict=True) if not p.is_sweep_override()]
+    try:
+        cfg = _compose(base, hydra=True)
+    except Exception as exc:  # noqa: BLE001 - every composition error becomes one line
+        if not sweeps:
+            return compose_problem(exc, base)
+        # a key of a swept group's options (quantizer=rtn_int4,gptq_int4 quantizer.calibration_samples=2) needs
+        # one of the swept choices to compose: take each sweep's first value; every cell is validated below
+        firsts = [f"{p.get_key_element()}={next(iter(p.sweep_string_iterator()))}" for p in parsed
+                  if p.is_sweep_override()]
+        try:
+            cfg = _compose(base + firsts, hydra=True)
+        except Exception:  # noqa: BLE001
+            return compose_problem(exc, base)
+    multirun = any(a in HYDRA_RUN_FLAGS for a in argv) or str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    if sweeps and not multirun:
+        return (f"{sweeps[0]!r} lists several values: add -m (--multirun) to sweep them, or write key=[a,b] for a "
+                "list value")
+    cells = [overrides]
+    if multirun:
+        from harness.sweep import planned_cells
+
+        cfg.hydra.overrides.task = overrides
+        cells = planned_cells(cfg.hydra) or [base]  # another sweeper: validate what composes without it
+    for cell in cells:
+        if (problem := validate(cell)):
+            label = ",".join(o for o in cell if o not in base) or "default"
+            return f"sweep cell {label}: {problem}" if len(cells) > 1 else problem
+    return None
+
+
+def validate(overrides: list[str]) -> str | None:
+    """Compose, build and preflight one run's config (nothing loads); its problem as one line, or None."""
+    try:
+        cfg = _compose(overrides)
+    except Exception as exc:  # noqa: BLE001
+        return compose_problem(exc, overrides)
+    try:
+        build(cfg).model.preflight()
+    except QuantbenchError as exc:
+        return str(exc)
+    return None
 
 
 def summary_line(result) -> str:
@@ -43,5 +161,6 @@ def run_one(cfg: DictConfig) -> int:
     if result.samples:
         print(f"sample: {result.samples[0]['prompt'][-60:]!r} -> {result.samples[0]['output'][:120]!r}")
     where = exp.tracking.resolved_uri() if exp.tracking.enabled else "(MLflow disabled)"
-    print(f"result: {path}  mlflow: {where} run {result.mlflow_run_id or '-'}")
+    log = f"  log: {result.tags['log_file']}" if result.tags.get("log_file") else ""
+    print(f"result: {path}  mlflow: {where} run {result.mlflow_run_id or '-'}{log}")
     return 0 if result.status == "OK" else 1

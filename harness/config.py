@@ -25,6 +25,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_MATCH = ("near_tie", "strict")  # how the compiled-vs-eager token check fails (harness/fast_path.py)
+COMPILE_BACKENDS = ("inductor", "zentorch")  # torch.compile backend of the decode step (harness/fast_path.py)
 
 
 def _positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:
@@ -56,7 +57,9 @@ class MeasureConfig(_Validated):
     repetitions: int = 3  # timed passes over the prompt set
     max_new_tokens: int = 64
     stop_at_eos: bool = False  # benchmarks compare fixed lengths; True stops at EOS (recorded)
-    prompts: str = "default"  # a prompt set name from harness/prompts.py
+    prompts: str = "default"  # a set (default, edit), a .txt/.jsonl file, or synthetic[:N] (harness/workloads.py)
+    prompt_tokens: int = 0  # with prompts=synthetic: tokens per prompt (llama-bench's -p); else 0
+    context_depth: int = 0  # tokens already in the KV cache before each prompt, prefilled untimed (llama-bench's -d)
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
     threads: int = 0  # torch intra-op threads; 0 = all cores
     device: str = "auto"  # auto | cpu | cuda
@@ -68,7 +71,12 @@ class MeasureConfig(_Validated):
     compile_freezing: bool = False  # inductor freezing: weights become constants (prepacked on CPU)
     compile_fallback: bool = False  # a quantizer that cannot compile runs eager (tag fast_path) instead of failing
     compile_match: str = "near_tie"  # strict: any compiled != eager token fails | near_tie: only non-tie ones do
+    compile_backend: str = "inductor"  # inductor | zentorch (AMD's ZenDNN plugin: optimizes on AVX-512 CPUs only)
+    compile_cpp_wrapper: bool = False  # inductor calls its kernels from generated C++ instead of Python
+    compile_skip_guards: bool = False  # timed steps skip dynamo's guard checks (docs/fast_path.md says when it is safe)
+    kernel_profile: bool = True  # after timing, profile a few decode steps: tag kernel.linear (harness/kernels.py)
     inject_slowdown: float = 0.0  # test-only: stretch each decode step by this fraction (gate power tests)
+    inject_work: float = 0.0  # test-only: extra real matrix work per decode step, ~this fraction of a step
 
     _section = "measure"
 
@@ -79,6 +87,7 @@ class MeasureConfig(_Validated):
         _positive(p, "measure.max_new_tokens", self.max_new_tokens)
         _positive(p, "measure.threads", self.threads, allow_zero=True)
         _positive(p, "measure.inject_slowdown", self.inject_slowdown, allow_zero=True)
+        _positive(p, "measure.inject_work", self.inject_work, allow_zero=True)
         for err in (one_of("measure.device", self.device, DEVICES),
                     one_of("measure.cache", self.cache, ("dynamic", "static"))):
             if err:
@@ -87,12 +96,15 @@ class MeasureConfig(_Validated):
             p.append(err)
         if (err := one_of("measure.compile_match", self.compile_match, COMPILE_MATCH)):
             p.append(err)
+        if (err := one_of("measure.compile_backend", self.compile_backend, COMPILE_BACKENDS)):
+            p.append(err)
         if self.compile and self.cache != "static":
             p.append("measure.compile=true needs fixed decode shapes: add measure.cache=static")
-        from harness.prompts import PROMPT_SETS
+        _positive(p, "measure.prompt_tokens", self.prompt_tokens, allow_zero=True)
+        _positive(p, "measure.context_depth", self.context_depth, allow_zero=True)
+        from harness.workloads import source_problems
 
-        if (err := one_of("measure.prompts", self.prompts, sorted(PROMPT_SETS))):
-            p.append(err)
+        p.extend(source_problems(self))  # a missing/empty prompt file, a bad JSONL line (with its number)
         return p
 
 
@@ -107,7 +119,11 @@ class AccuracyConfig(_Validated):
     max_tokens: int = 4096  # score at most this many corpus tokens (0 = all)
     reference_dtype: str = "float32"
     kl: bool = True  # KL divergence and top-1 agreement against the reference
-    kl_top_k: int = 256  # reference cache keeps its top-k log-probs per token (+ one tail bucket)
+    # reference record (harness/accuracy.py): "exact" stores the output layer's input per token and gives the
+    # full-vocabulary KL; "topk" stores the top-k log-probs (+ one tail bucket): a lower bound, with a bound
+    # on what it hides. exact falls back to topk (with a warning) for logits that are not a plain Linear.
+    kl_reference: str = "exact"
+    kl_top_k: int = 256  # k of the topk record
     # which tokens of a window are scored: "all" (each token once, the transformers recipe) or
     # "second_half" (llama-perplexity's rule: non-overlapping chunks, only the second half of each)
     scoring: str = "all"
@@ -124,6 +140,12 @@ class AccuracyConfig(_Validated):
             p.append(f"accuracy.stride={self.stride} must be <= accuracy.context_length={self.context_length}")
         if (err := one_of("accuracy.reference_dtype", self.reference_dtype, DTYPES)):
             p.append(err)
+        if (err := one_of("accuracy.kl_reference", self.kl_reference, ("exact", "topk"))):
+            p.append(err)
+        corpus = os.path.expanduser(str(self.corpus))
+        if (os.sep in corpus or corpus.endswith(".txt")) and not os.path.isfile(corpus):  # not after the model loads
+            p.append(f"accuracy.corpus={self.corpus!r}: no such file; give a text file, 'builtin', or an HF "
+                     "datasets id name[:config[:split]]")
         if (err := one_of("accuracy.scoring", self.scoring, ("all", "second_half"))):
             p.append(err)
         elif self.scoring == "second_half" and self.stride != self.context_length:
@@ -201,12 +223,58 @@ class Experiment:
     config: dict  # the resolved config as plain data (params, config hash, child processes)
 
 
+# A `_target_` (from a YAML or an override) must name a class of these packages: config data never
+# chooses arbitrary code to run (os.system, builtins.eval, subprocess.Popen, a look-alike package ...).
+TARGET_PACKAGES = ("quantizers", "strategies", "harness")
+
+
+def target_problem(where: str, target: Any) -> str | None:
+    """Why `target` may not be instantiated (None when it names a class defined in TARGET_PACKAGES)."""
+    import importlib
+    import inspect
+
+    rule = (f"{where}={target!r} is not allowed: a _target_ must name a class in this project's packages "
+            f"({', '.join(p + '.' for p in TARGET_PACKAGES)})")
+    parts = str(target).split(".") if isinstance(target, str) else []
+    if len(parts) < 2 or parts[0] not in TARGET_PACKAGES or not all(p.isidentifier() for p in parts):
+        return rule
+    obj, i = None, len(parts)
+    while i > 1 and obj is None:  # the longest importable module prefix, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError as exc:
+            if not exc.name or not (".".join(parts[:i]) + ".").startswith(exc.name + "."):
+                # not the path itself: one of our modules imports something that is missing
+                return f"{where}={target!r} could not be imported: {exc}"
+            i -= 1
+    for name in parts[i:]:
+        obj = getattr(obj, name, None)
+    if not inspect.isclass(obj) or str(obj.__module__).split(".")[0] not in TARGET_PACKAGES:
+        return rule  # a function, a module, or a class re-exported from elsewhere (harness.config.os.system)
+    return None
+
+
+def _target_problems(section: str, node: Any) -> list[str]:
+    """Every `_target_` in `node`, nested ones too (a draft quantizer inside a strategy), checked."""
+    if isinstance(node, dict):
+        out = [p for p in [target_problem(f"{section}._target_", node["_target_"])] if p] if "_target_" in node else []
+        for key, value in node.items():
+            out += _target_problems(f"{section}.{key}", value)
+        return out
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _target_problems(f"{section}[{i}]", v)]
+    return []
+
+
 def _instantiate(section: str, node: Any, problems: list[str]) -> Any:
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     if node is None or (isinstance(node, dict) and "_target_" not in node):
         problems.append(f"{section}: no option chosen; pick one with {section}=<option> (see conf/{section}/)")
+        return None
+    if (bad := _target_problems(section, node)):
+        problems.extend(bad)
         return None
     try:
         return instantiate(node, _convert_="all")
@@ -244,7 +312,10 @@ def _section(cls: type, node: Any, problems: list[str]) -> Any:
     except ConfigError as exc:
         problems.extend(exc.problems)
     except TypeError as exc:
-        problems.append(f"{cls._section}: {exc}")
+        allowed = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+        unknown = [k for k in (node or {}) if k not in allowed]
+        problems.append(f"{cls._section}.{unknown[0]} is not a known key; allowed: {', '.join(allowed)}" if unknown
+                        else f"{cls._section}: {exc}")
     return None
 
 

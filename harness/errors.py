@@ -12,6 +12,14 @@ class QuantbenchError(Exception):
     """A user-facing error: one line, names the problem and the fix."""
 
 
+class Unsupported(QuantbenchError):
+    """This run cannot run on this machine (e.g. it needs CUDA): not a bug, not bad input.
+
+    A sweep records such a cell as SKIPPED with this one-line reason and goes on; the sweep still
+    succeeds. Raise it from preflight checks only (before anything loads).
+    """
+
+
 class ConfigError(QuantbenchError):
     """One or more configuration problems, all reported at once (one per line)."""
 

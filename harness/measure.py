@@ -25,9 +25,9 @@ def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        from harness.errors import QuantbenchError
+        from harness.errors import Unsupported
 
-        raise QuantbenchError("measure.device=cuda but no CUDA device is visible; use measure.device=cpu")
+        raise Unsupported("needs CUDA: measure.device=cuda but no CUDA device is visible; use measure.device=cpu")
     return name
 
 

@@ -1,7 +1,9 @@
 """One experiment in, one Result out: `run(cfg) -> Result`.
 
 `run` never raises for a failed experiment: it returns a Result whose `status` says what happened
-(OK, FAILED, OOM) with the error message and traceback, so a sweep records it and goes on. Seeds and
+(OK, FAILED, OOM) with the error message and traceback, so a sweep records it and goes on. SKIPPED
+means the run cannot run on this machine (errors.Unsupported from a preflight check, e.g. "needs
+CUDA"): nothing loaded, the reason is the one-line `error`, and a sweep counts it as a success. Seeds and
 thread counts are set inside `run`, which touches no other process-wide state, so a sweep can call it
 in a child process per cell.
 """
@@ -18,11 +20,12 @@ from typing import Any
 
 from harness import env, measure
 from harness.config import Experiment, build
-from harness.errors import QuantbenchError
+from harness.errors import QuantbenchError, Unsupported
 
 log = logging.getLogger("quantbench")
 
-STATUSES = ("OK", "FAILED", "OOM", "TIMEOUT", "CRASHED", "KILLED")
+STATUSES = ("OK", "SKIPPED", "FAILED", "OOM", "TIMEOUT", "CRASHED", "KILLED")
+SUCCESS = ("OK", "SKIPPED")  # statuses a sweep counts as done (SKIPPED: cannot run on this hardware)
 
 
 @dataclass
@@ -87,6 +90,8 @@ def execute(exp: Experiment) -> Result:
 def classify(exc: BaseException) -> str:
     import torch
 
+    if isinstance(exc, Unsupported):
+        return "SKIPPED"
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return "OOM"
     return "FAILED"
@@ -111,8 +116,12 @@ def run(cfg: Any) -> Result:
                        "quantizer")
         if not isinstance(exc, QuantbenchError):
             message = f"{type(exc).__name__}: {message}"
-        log.error("run failed: %s", message)
-        result = Result(status=status, config=config, error=message, traceback=traceback.format_exc(),
+        if status == "SKIPPED":
+            log.warning("run skipped: %s", message)
+        else:
+            log.error("run failed: %s", message)
+        result = Result(status=status, config=config, error=message,
+                        traceback="" if status == "SKIPPED" else traceback.format_exc(),
                         tags={"git_commit": env.git_commit()})
     result.run_name = run_name(exp, config)
     result.config_hash = config_hash(config)

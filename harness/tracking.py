@@ -7,7 +7,8 @@ under concurrent writers, a server restarting); when the retries run out the fai
 the result and the run still finishes.
 
 MLflow runs are created after the work, in one go: a run is never left RUNNING by a failure, and it
-ends FINISHED (status OK) or FAILED (any other status, with the message in tag `error`).
+ends FINISHED (status OK, or SKIPPED: cannot run on this hardware, the reason in tag `error`) or FAILED
+(any other status, with the message in tag `error`); tag `status` always holds quantbench's status.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ MAX_PARAM_CHARS = 6000
 RESULT_KEY_TAG = "result_key"
 PARENT_TAG = "parent_run_id"
 SQLITE_LOCK_WAIT_S = 300.0  # other writers' turns; a wedged holder fails the log, not the run
+# MLflow's experiment type: its UI offers "genai_development" (GenAI apps & agents) and
+# "custom_model_development" ("Machine learning": the runs table first) and writes this tag itself when a
+# person picks one. MLflow 3.17's UI takes the type from its GenAI / Model training switch instead (see
+# `runs_url`), older and other clients read the tag.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:
@@ -151,20 +158,46 @@ def client(tcfg: TrackingConfig):
 
 
 def experiment_id(c, tcfg: TrackingConfig, name: str | None = None) -> str:
+    """Id of experiment `name` (default `tcfg.experiment`), created if missing; either way it ends up
+    tagged as model development (`ensure_experiment_kind`)."""
     name = name or tcfg.experiment
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        ensure_experiment_kind(c, exp)
         return exp.experiment_id
     location = None
     if not tcfg.uri:  # local store: keep artifacts beside the database, not in the cwd
         location = Path(os.path.abspath(os.path.join(tcfg.results_dir, "mlartifacts"))).as_uri()
     try:
-        return c.create_experiment(name, artifact_location=location)
+        return c.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:  # noqa: BLE001 - created concurrently by another process
         exp = c.get_experiment_by_name(name)
         if exp is None:
             raise
+        ensure_experiment_kind(c, exp)
         return exp.experiment_id
+
+
+def ensure_experiment_kind(c, exp) -> None:
+    """Tag an experiment `custom_model_development` unless it already has a kind (a person's choice
+    stays). Covers experiments made before the tag existed; costs nothing once set. Best effort: a
+    store that refuses the tag still takes the runs."""
+    if (exp.tags or {}).get(EXPERIMENT_KIND_TAG):
+        return
+    try:
+        c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    except Exception as exc:  # noqa: BLE001 - cosmetic for the UI; never fail a run over it
+        log.warning("could not tag experiment %s with %s: %s", exp.name, EXPERIMENT_KIND_TAG, str(exc)[:200])
+
+
+def runs_url(base_url: str, exp_id: str) -> str:
+    """Link to an experiment's runs table in the MLflow UI.
+
+    MLflow 3.17's UI opens an experiment on its GenAI overview whatever the experiment's tags say: the
+    page kind comes from the GenAI / Model training switch at the top of its sidebar (remembered per
+    browser, GenAI at first) or from `workflowType` in the link, which this sets.
+    """
+    return f"{base_url.rstrip('/')}/#/experiments/{exp_id}/runs?workflowType=machine_learning"
 
 
 def result_key(result: Result) -> str:
@@ -226,10 +259,14 @@ def _log(c, result: Result, tcfg: TrackingConfig, parent_run_id: str | None, art
                                                for s in result.samples)
         if result.traceback:
             files["traceback.txt"] = result.traceback
+        workload = result.tags.get("workload.file")
+        if workload and Path(workload).is_file():  # the run's prompts as token ids (harness/workloads.py)
+            files["workload.jsonl"] = Path(workload).read_text()
         for name, text in files.items():
             (Path(tmp) / name).write_text(text)
         retry(lambda: c.log_artifacts(run_id, tmp), tcfg, "mlflow log_artifacts")
-    status = "FINISHED" if result.status == "OK" else ("KILLED" if result.status == "KILLED" else "FAILED")
+    # SKIPPED (cannot run on this hardware) is not a failure: FINISHED, with tag status=SKIPPED and the reason in `error`
+    status = "FINISHED" if result.status in ("OK", "SKIPPED") else ("KILLED" if result.status == "KILLED" else "FAILED")
     retry(lambda: c.set_terminated(run_id, status=status, end_time=int(result.ended * 1000)), tcfg,
           "mlflow set_terminated")
     return run_id

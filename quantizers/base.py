@@ -15,7 +15,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-from harness.errors import QuantbenchError
+from harness.errors import QuantbenchError, Unsupported
 
 
 def tensor_bytes(t: Any, seen: set[Any] | None = None) -> int:
@@ -179,9 +179,10 @@ class Quantizer:
         if self.library and importlib.util.find_spec(self.library) is None:
             raise QuantbenchError(f"quantizer {self.name} needs {self.library!r}, which is not installed; "
                                   f"pip install {self.pip_name or self.library}, or use {self.instead}")
-        if device.split(":")[0] not in self.devices:
-            raise QuantbenchError(f"quantizer {self.name} ({self.backend}) does not run on {device} "
-                                  f"(supported: {', '.join(self.devices)}); use {self.instead}")
+        if device.split(":")[0] not in self.devices:  # this machine, not the input: a sweep records SKIPPED
+            need = "needs CUDA: " if tuple(self.devices) == ("cuda",) else ""
+            raise Unsupported(f"{need}quantizer {self.name} ({self.backend}) does not run on {device} "
+                              f"(supported: {', '.join(self.devices)}); use {self.instead}")
 
     def compile_blocker(self, device: str) -> str:
         """Why measure.compile=true cannot run with this quantizer on `device`; "" when it can."""

@@ -8,9 +8,13 @@ quantizer's settings, the calibration text and the versions of gptqmodel/torch/t
 quantizes once; `quantize_s` is the time the checkpoint took to make and tag `quantizer.cache` says
 whether this run made it (`miss`) or reused it (`hit`).
 
-Calibration text is kept apart from the scored text where possible: when it comes from the accuracy
-corpus, the first `accuracy.max_tokens` tokens (what perplexity scores) are skipped if the corpus has
-enough tokens after them; otherwise the run is tagged `warning.calibration_overlap`.
+Calibration text (`calibration_corpus`): by default `calibration`, harness/data/calibration.txt, ~9.2k
+tokens of mixed English (essays, a story, how-tos, a dialogue, worked problems, chat Q&A, Python) written
+for this project, so GPTQ runs offline out of the box and never calibrates on the text perplexity scores
+(harness/data/corpus.txt, the `builtin` accuracy corpus, is a different text). Any other value goes
+through the accuracy code's corpus loader (a text file, `builtin`, an HF datasets id); empty means
+`accuracy.corpus`, whose first `accuracy.max_tokens` tokens (what perplexity scores) are skipped if the
+corpus has enough tokens after them; otherwise the run is tagged `warning.calibration_overlap`.
 
 Kernels (`kernel`, a gptqmodel BACKEND): `auto` = `gptq_torch_int8` on CPU (gptqmodel's default CPU
 kernel rejects group size 128 at K=576 on SmolLM2), gptqmodel's own choice on CUDA. Honesty note:
@@ -18,9 +22,10 @@ kernel rejects group size 128 at K=576 on SmolLM2), gptqmodel's own choice on CU
 is stored in memory is ~8.x bits/weight; the audit reports that (bound 9.0, tag `quantizer.storage`).
 `gptq_torch` keeps the packed 4-bit weights (~4.x bits, bound `bits + 1`) but is slow on CPU.
 
-`method=rtn` is gptqmodel's weight-only round-to-nearest (no calibration) in the same format and group
-size: the baseline GPTQ must beat. `method=awq` needs CUDA in gptqmodel 7.6 ("AWQ: CUDA is not
-available." on CPU), so preflight refuses it there.
+`method=rtn` is gptqmodel's weight-only round-to-nearest in the same format and group size: the baseline
+GPTQ must beat. It reads no calibration text at all (its cache key holds no calibration settings).
+`method=awq` needs CUDA in gptqmodel 7.6 ("AWQ: CUDA is not available." on CPU), so preflight refuses it
+there.
 """
 
 from __future__ import annotations
@@ -37,6 +42,17 @@ from quantizers.common import TimedLoad
 
 METHODS = ("gptq", "rtn", "awq")
 INT8_REPACK_KERNELS = ("gptq_torch_int8", "awq_torch_int8")
+CALIBRATION = "calibration"  # the project's own calibration text (module docstring)
+CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "harness" / "data" / "calibration.txt"
+
+
+def calibration_text(spec: str) -> str:
+    """`calibration` (the shipped text), else whatever the accuracy corpus loader accepts."""
+    if spec == CALIBRATION:
+        return CALIBRATION_TEXT.read_text(encoding="utf-8")
+    from harness.accuracy import load_corpus
+
+    return load_corpus(spec)
 
 
 @dataclass
@@ -51,7 +67,7 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
     damp_percent: float = 0.05
     calibration_samples: int = 32
     calibration_length: int = 256
-    calibration_corpus: str = ""  # empty = accuracy.corpus (same loader as the accuracy code)
+    calibration_corpus: str = CALIBRATION  # the shipped text | a text file | "builtin" | "" = accuracy.corpus
     kernel: str = "auto"  # a gptqmodel BACKEND name for inference; auto = gptq_torch_int8 on CPU
     workers: int = 2  # GPTQMODEL_CPU_WORKERS (on 2 cores the default asks for more than the parent has)
 
@@ -128,7 +144,9 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         if not spec:
             raise QuantbenchError(f"quantizer {self.name} needs calibration text: set quantizer.calibration_corpus="
                                   "<text file> or accuracy.corpus")
-        if spec == "builtin" or os.sep in spec or spec.endswith(".txt"):
+        if spec == CALIBRATION:
+            pass
+        elif spec == "builtin" or os.sep in spec or spec.endswith(".txt"):
             load_corpus(spec)  # local text: check it exists now, not after the model loads
         else:
             import importlib.util
@@ -143,11 +161,9 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         """(samples, corpus hash, overlaps-scored-text) from the accuracy corpus loader."""
         import hashlib
 
-        from harness.accuracy import load_corpus
-
         acc = self._accuracy
         spec = self.calibration_corpus or (acc.corpus if acc is not None else "builtin")
-        text = load_corpus(spec)
+        text = calibration_text(spec)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         need = self.calibration_samples * self.calibration_length
         skip = 0
@@ -170,7 +186,10 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
     def cache_dir(self, source: Any, calib_digest: str) -> Path:
         from harness.models import cache_root, short_hash
 
-        settings = {k: v for k, v in asdict(self).items() if k not in ("kernel", "workers", "calibration_corpus")}
+        ignored = ("kernel", "workers", "calibration_corpus")
+        if self.method == "rtn":  # no calibration: its settings must not split the cache
+            ignored += ("calibration_samples", "calibration_length", "damp_percent")
+        settings = {k: v for k, v in asdict(self).items() if k not in ignored}
         key = short_hash(source.identity(), settings, calib_digest, self.versions(), self.load_dtype(source.dtype))
         return cache_root() / "quantized" / f"{source.name}-{self.name}-g{self.group_size}-{key}"
 
@@ -197,7 +216,8 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         os.environ["GPTQMODEL_CPU_WORKERS"] = str(self.workers)
         if experiment is not None and self._accuracy is None:
             self._accuracy = getattr(experiment, "accuracy", None)
-        samples, digest, overlap = self.calibration(tokenizer)
+        # rtn is weight-only: gptqmodel ignores calibration text, so none is read (nor can be too short)
+        samples, digest, overlap = self.calibration(tokenizer) if self.method != "rtn" else (None, "rtn", False)
         dtype = torch_dtype(self.load_dtype(source.dtype))
         final = self.cache_dir(source, digest)
         hit = final.exists()
@@ -208,7 +228,7 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
             t0 = now()
             model = GPTQModel.load(str(source.local_dir()), self._quantize_config(), device="cpu"
                                    if not device.startswith("cuda") else device, dtype=dtype)
-            model.quantize(samples, batch_size=1)  # rtn ignores the samples (weight-only lifecycle)
+            model.quantize(samples, batch_size=1)  # rtn: samples is None (weight-only lifecycle)
             model.save(str(tmp))
             spent = now() - t0
             (tmp / "quantbench.json").write_text(json.dumps({"quantize_s": spent}))
@@ -219,7 +239,7 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         wrapped = GPTQModel.load(str(final), device=device, backend=self._kernel(device), dtype=dtype)
         model = wrapped.model.eval()
         self.last_metrics = {"quantize_s": float(meta["quantize_s"]), "quantize_run_s": spent,
-                             "calibration_tokens": float(len(samples) * self.calibration_length)}
+                             "calibration_tokens": float(len(samples or []) * self.calibration_length)}
         self.last_tags = {**self.base_tags(), "quantizer.cache": "hit" if hit else "miss",
                           "quantizer.kernel": self._kernel(device)}
         if overlap and self.method != "rtn":

@@ -95,13 +95,64 @@ def test_hf_model_refuses_directory_without_safetensors(compose, tmp_path):
     (["model=nope"], "model='nope' is not an option"),
     (["+experiment=nope"], "experiment='nope' is not an option"),
     (["measure.max_new_tokens=0", "model=tiny_random"], "measure.max_new_tokens=0 must be > 0"),
+    (["measure.threads=abc"], "measure.threads='abc' must be an integer"),
+    (["measure.no_such_key=1"], "measure.no_such_key is not a known key; allowed: warmup, repetitions"),
+    (["accuracy.corpus=/no/such.txt"], "accuracy.corpus='/no/such.txt': no such file"),
+    (["quantizer._target_=os.system"], "quantizer._target_='os.system' is not allowed: a _target_ must name a class"),
+    (["quantizer._target_=builtins.eval"], "quantizer._target_='builtins.eval' is not allowed"),
+    (["strategy._target_=subprocess.Popen"], "strategy._target_='subprocess.Popen' is not allowed"),
+    (["-m", "quantizer=bf16,fp32", "measure.max_new_tokens=1,0"], "sweep cell quantizer=bf16,measure.max_new_tokens=0"),
 ])
-def test_run_py_prints_one_error_line_and_exits_2(args, expected):
-    proc = subprocess.run([sys.executable, "run.py", *args, "tracking.enabled=false"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+def test_run_py_prints_one_error_line_and_exits_2(args, expected, tmp_path):
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "run.py", *args, "tracking.enabled=false", f"tracking.results_dir={results}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: ") and expected in proc.stderr, proc.stderr[-2000:]
+    assert not results.exists()  # refused before anything ran: no run, no sweep folder, no model loaded
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["measure.threads=abc"], "measure.threads='abc' must be an integer"),
+    (["measure.cv_warn=abc"], "measure.cv_warn='abc' must be a number"),
+    (["measure.stop_at_eos=maybe"], "measure.stop_at_eos='maybe' must be true or false"),
+    (["+measure.no_such_key=1"], "measure.no_such_key is not a known key; allowed: warmup"),
+    (["foo=1"], "foo is not a known key; allowed: model, quantizer"),
+    (["quantizer=bf16", "quantizer.bits=4"], "quantizer.bits (Dtype) is not a known key; allowed:"),
+    (["measure.threads=[1"], "could not parse the override 'measure.threads=[1'"),
+    (["quantizer=bf16,fp32"], "'quantizer=bf16,fp32' lists several values: add -m (--multirun)"),
+    (["+experiment=quant_sweep", "measure.max_new_tokens=0"], "sweep cell quantizer=none,strategy=greedy: "
+                                                               "measure.max_new_tokens=0 must be > 0"),
+    (["-m", "model=tiny_random", "measure.seed=0,1", "accuracy.corpus=/no/such.txt"], "no such file"),
+    (["-m", "quantizer=gptq_int4,bf16", "quantizer.calibration_samples=2"],  # a key only some swept options have
+     "sweep cell quantizer=bf16: quantizer.calibration_samples (Dtype) is not a known key"),
+])
+def test_precheck_names_the_key_in_one_line(argv, expected):
+    from harness.cli import precheck
+
+    problem = precheck(argv)
+    assert problem is not None and expected in problem and "\n" not in problem, problem
+
+
+def test_precheck_passes_good_commands_and_leaves_hydra_flags_to_hydra():
+    from harness.cli import precheck
+
+    for argv in ([], ["strategy=speculative"], ["-m", "model=tiny_random", "quantizer=bf16,fp32"],
+                 ["+experiment=quant_sweep"], ["--cfg", "job", "measure.threads=abc"],
+                 ["+experiment=quant_sweep", "quantizer=rtn_int4,gptq_int4", "quantizer.calibration_samples=2"]):
+        assert precheck(argv) is None, argv
+
+
+@pytest.mark.parametrize("target", ["os.system", "builtins.eval", "subprocess.Popen", "quantizers_evil.X",
+                                    "harness.config.os.system", "harness.config.DictConfig", "harness.cli.run_one",
+                                    "quantizers.nope.X"])
+def test_target_must_name_a_class_of_this_project(compose, target):
+    with pytest.raises(ConfigError, match=r"_target_=.* is not allowed: a _target_ must name a class in this "
+                                          r"project's packages \(quantizers\., strategies\., harness\.\)"):
+        build(compose([f"quantizer._target_={target}"]))
+    with pytest.raises(ConfigError, match=r"strategy.draft_quantizer._target_=.* is not allowed"):  # nested ones too
+        build(compose(["strategy=speculative", f"strategy.draft_quantizer._target_={target}"]))
 
 
 def test_wikitext_is_found_beside_the_checkout_or_where_the_env_says(tmp_path, monkeypatch):

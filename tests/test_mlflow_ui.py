@@ -1,12 +1,18 @@
-"""The MLflow UI as a person checks a sweep: the smoke sweep, `mlflow ui` on 127.0.0.1, headless Chromium.
+"""The MLflow UI as a person checks a sweep: the smoke sweep, `make ui`'s server (`python -m harness.ui`) on
+127.0.0.1, headless Chromium opening the link it prints for the experiment.
 
+What a person must see first is the runs table with the sweep's parent run and its cells, not MLflow 3.17's
+GenAI overview ("Traces 0, No data available") that a plain experiment link opens (harness/ui.py says why).
 Needs Debian's chromium + chromium-driver and the selenium package (scripts/setup.sh --all installs them).
 The screenshot is saved to results/ui/mlflow_sweep.png (and the test's tmp folder) for a person to look at.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +22,7 @@ from pathlib import Path
 
 from conftest import ROOT
 
-from harness import sweep
+from harness import sweep, tracking
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 METRIC = "decode_tokens_per_s"
@@ -44,7 +50,7 @@ def wait_for(fn, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what} ({last})")
 
 
-def test_smoke_sweep_shows_child_runs_and_a_metric_column_in_the_mlflow_ui(tmp_path):
+def test_make_ui_link_opens_the_sweep_on_its_runs_table_with_child_runs_and_a_metric_column(tmp_path):
     import importlib.util
 
     assert importlib.util.find_spec("selenium"), "selenium missing: run scripts/setup.sh --all"
@@ -55,7 +61,7 @@ def test_smoke_sweep_shows_child_runs_and_a_metric_column_in_the_mlflow_ui(tmp_p
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    env = {k: v for k, v in __import__("os").environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
     done = subprocess.run([sys.executable, "run.py", "+experiment=smoke", f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra",
                            "tracking.experiment=ui_smoke", "accuracy.max_tokens=200"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -64,23 +70,33 @@ def test_smoke_sweep_shows_child_runs_and_a_metric_column_in_the_mlflow_ui(tmp_p
 
     port = free_port()
     store = f"sqlite:///{tmp_path}/mlflow.db"
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store, "--host", "127.0.0.1",
-                               "--port", str(port), "--workers", "1"], stdout=open(tmp_path / "ui.log", "w"),
-                              stderr=subprocess.STDOUT)
+    exp = MlflowClient(store).get_experiment_by_name("ui_smoke")
+    assert exp.tags.get(tracking.EXPERIMENT_KIND_TAG) == "custom_model_development"
+    ui_log = tmp_path / "ui.log"
+    server = subprocess.Popen([sys.executable, "-m", "harness.ui", "--backend-store-uri", store, "--port", str(port),
+                               "--workers", "1"], cwd=ROOT, stdout=open(ui_log, "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)  # harness.ui becomes mlflow ui: its group holds the workers
     driver = None
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200, 120, "mlflow ui")
-        exp = MlflowClient(url).get_experiment_by_name("ui_smoke")
+        link = re.search(r"^\s+ui_smoke\s+(\S+)$", ui_log.read_text(), re.M)
+        assert link, ui_log.read_text()[-2000:]
+        assert link.group(1) == tracking.runs_url(url, exp.experiment_id)
         opts = webdriver.ChromeOptions()
         opts.binary_location = CHROMIUM
         for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                      "--disable-component-update", "--disable-dev-shm-usage", "--window-size=1600,1000"):
             opts.add_argument(flag)
         driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
-        driver.get(f"{url}/#/experiments/{exp.experiment_id}/runs")
-        # the sweep's parent run, then its nested cells once expanded
+        driver.get(link.group(1))  # as a person does: the link `make ui` printed for the experiment
+        # the landing page is the runs table with the sweep's parent run, not the GenAI overview
         wait_for(lambda: driver.find_element(By.XPATH, "//*[text()='sweep:smoke']"), 60, "the sweep's parent run")
+        assert f"/experiments/{exp.experiment_id}/runs" in driver.current_url, driver.current_url
+        assert driver.find_element(By.XPATH, "//*[@role='columnheader']//*[text()='Run Name']").is_displayed()
+        landing = driver.find_element(By.TAG_NAME, "body").text
+        assert "No data available" not in landing and "Usage" not in landing, landing[:500]
+        driver.save_screenshot(str(tmp_path / "landing.png"))
         for b in driver.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):
             b.click()  # the assistant side panel hides columns
         driver.find_element(By.CSS_SELECTOR, "button[data-component-id*='runnamecellrenderer']").click()
@@ -113,5 +129,5 @@ def test_smoke_sweep_shows_child_runs_and_a_metric_column_in_the_mlflow_ui(tmp_p
     finally:
         if driver is not None:
             driver.quit()
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)

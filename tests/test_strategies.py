@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import FAST
 
 from harness import runner
@@ -129,6 +130,7 @@ def test_bad_strategy_options_fail_at_config_time(compose):
     for overrides, needle in [(["strategy=static_batch", "strategy.batch_size=0"], "batch_size"),
                               (["strategy=speculative", "strategy.draft=layers"], "prompt_lookup"),
                               (["strategy=speculative", "strategy.num_draft_tokens=0"], "num_draft_tokens"),
+                              (["strategy=speculative", "strategy.match=loose"], "strategy.match.*near_tie, strict"),
                               (["strategy=speculative", "measure.cache=static"], "measure.cache=dynamic")]:
         with pytest.raises(ConfigError, match=needle):
             build(compose([*FAST, *overrides]))
@@ -149,6 +151,7 @@ def test_every_strategy_runs_end_to_end(compose, results_overrides, strategy):
     assert m["generated_tokens"] == expected[strategy]
     if strategy == "speculative":
         assert m["greedy_match"] == 1.0 and m["speedup_vs_greedy"] > 0
+        assert m["spec_tie_flips"] == 0.0 and m["spec_max_gap_ulps"] == 0.0  # fp32: identical, nothing to explain
         assert 0.0 <= m["acceptance_rate"] <= 1.0
         assert sum(m[f"accepted_len_{i}"] for i in range(5)) == pytest.approx(1.0)
     if strategy == "continuous_batch":
@@ -187,6 +190,84 @@ def test_greedy_mismatch_fails_the_run(target, monkeypatch):
     strategy.setup(model=target, tokenizer=None, opts=DecodeOptions(), experiment=None)
     with pytest.raises(QuantbenchError, match="greedy_match=0"):
         strategy.generate(target, [PROMPTS[0]], DecodeOptions(max_new_tokens=6))
+
+
+class TieHead(torch.nn.Module):
+    """An lm_head that puts token b's logit exactly one bf16 ulp below token a's: wherever a is greedy's choice,
+    b is the runner-up at a genuine near-tie (the situation bf16 SmolLM2 shows at a few positions per prompt)."""
+
+    def __init__(self, head: torch.nn.Module, a: int, b: int):
+        super().__init__()
+        self.head, self.a, self.b = head, a, b
+
+    def forward(self, x):
+        out = self.head(x)
+        top = out[..., self.a]
+        out[..., self.b] = top - torch.finfo(out.dtype).eps * torch.exp2(torch.floor(torch.log2(top.abs())))
+        return out
+
+
+@pytest.fixture()
+def tie(monkeypatch):
+    """A bf16 tiny target with a planted near-tie, and a verify forward that rounds it the other way."""
+    import strategies.speculative as spec
+    from harness.near_tie import ulp
+
+    target = load_pretrained(TinyRandom(), "bfloat16", "cpu")
+    prompt = PROMPTS[3]
+    want = greedy_generate(target, [prompt], DecodeOptions(max_new_tokens=12)).sequences[0]
+    a = max(set(want[1:]), key=want[1:].count)  # greedy's most frequent later token: top at verify positions
+    b = (a + 7) % target.config.vocab_size
+    target.lm_head = TieHead(target.lm_head, a, b)
+    real = spec.run_forward
+    mode = {"verify": "tie"}
+
+    def verify_rounds_differently(model, ids, start, cache, device):
+        logits = real(model, ids, start, cache, device)
+        if model is target and start > 0 and len(ids) > 1:  # the k+1-token verify forward
+            logits = logits.clone()
+            for row in range(logits.shape[0]):
+                top = int(logits[row].argmax())
+                if mode["verify"] == "tie" and top == a:  # rounds b one ulp above a: greedy's runner-up wins
+                    logits[row, b] = float(logits[row, a]) + ulp(float(logits[row, a]), logits.dtype)
+                elif mode["verify"] == "wrong":  # a broken verify: the least likely token wins
+                    logits[row, int(logits[row].argmin())] = float(logits[row, top]) + 1.0
+        return logits
+
+    monkeypatch.setattr(spec, "run_forward", verify_rounds_differently)
+    draft = ModelDrafter(load_pretrained(TinyRandom(), "bfloat16", "cpu"), "cpu")  # another object: not patched
+    return target, prompt, draft, mode
+
+
+def test_bf16_near_tie_flip_is_counted_not_failed(tie):
+    from strategies.speculative import Speculative
+
+    target, prompt, draft, _ = tie
+    strategy = Speculative(draft="model", num_draft_tokens=3)
+    strategy._drafter = draft
+    opts = DecodeOptions(max_new_tokens=12)
+    gen = strategy.generate(target, [prompt], opts)
+    assert gen.sequences[0] != greedy_generate(target, [prompt], opts).sequences[0]
+    assert opts.choose is None  # the replay hook is removed again
+    m = strategy.metrics([gen])
+    assert m["greedy_match"] == 0.0 and m["spec_tie_flips"] >= 1
+    assert m["spec_max_gap_ulps"] == 1.0  # the planted gap, measured in bf16 ulps of greedy's top logit
+
+    strict = Speculative(draft="model", num_draft_tokens=3, match="strict")
+    strict._drafter = draft
+    with pytest.raises(QuantbenchError, match=r"greedy_match=0.*strategy.match=strict"):
+        strict.generate(target, [prompt], opts)
+
+
+def test_speculative_token_far_below_greedy_fails(tie):
+    from strategies.speculative import Speculative
+
+    target, prompt, draft, mode = tie
+    mode["verify"] = "wrong"
+    strategy = Speculative(draft="model", num_draft_tokens=3)
+    strategy._drafter = draft
+    with pytest.raises(QuantbenchError, match=r"greedy_match=0.*ulps below its top choice"):
+        strategy.generate(target, [prompt], DecodeOptions(max_new_tokens=12))
 
 
 @pytest.mark.slow

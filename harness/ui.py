@@ -1,0 +1,67 @@
+"""`make ui`: the MLflow UI over the local store, loopback only, with a link to each experiment's runs.
+
+    python -m harness.ui                 # results/mlflow.db on http://127.0.0.1:5000 (what `make ui` runs)
+    python -m harness.ui --links         # only print the links (for a UI that already runs)
+
+Why the links: MLflow 3.17 opens an experiment on its GenAI overview ("Traces 0, No data available")
+until "Model training" is picked at the top of its sidebar, and its UI decides that from the browser's
+remembered choice, not from the experiment's `mlflow.experimentKind` tag (which quantbench still sets;
+see harness/tracking.py). A link with `workflowType=machine_learning` opens the runs table directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from harness.config import TrackingConfig
+from harness.tracking import runs_url
+
+HOST = "127.0.0.1"  # loopback only: the UI can change and delete runs
+
+
+def experiment_links(store_uri: str, base_url: str) -> list[tuple[str, str]]:
+    """(name, runs-table link) of every active experiment in the store that holds a run."""
+    if store_uri.startswith("sqlite:///") and not Path(store_uri[len("sqlite:///"):]).exists():
+        return []  # nothing recorded yet; do not create the store just to list it
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=store_uri)
+    return [(e.name, runs_url(base_url, e.experiment_id)) for e in c.search_experiments()
+            if c.search_runs([e.experiment_id], max_results=1)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.ui", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend-store-uri", default=TrackingConfig().resolved_uri(),
+                    help="MLflow store (default: results/mlflow.db under the current folder)")
+    ap.add_argument("--port", type=int, default=5000)
+    ap.add_argument("--workers", type=int, default=None, help="server worker processes (MLflow's default if unset)")
+    ap.add_argument("--links", action="store_true", help="print the links and exit, without starting the UI")
+    args = ap.parse_args(argv)
+    base = f"http://{HOST}:{args.port}"
+    links = experiment_links(args.backend_store_uri, base)
+    print(f"MLflow UI on {base} over {args.backend_store_uri}")
+    if links:
+        width = max(len(name) for name, _ in links)
+        print("the runs of each experiment (a plain experiment link opens MLflow's GenAI overview):")
+        for name, url in links:
+            print(f"  {name:<{width}}  {url}")
+    else:
+        print("no runs recorded yet (python run.py records one); in the UI pick 'Model training' at the top "
+              "of the sidebar to see runs")
+    sys.stdout.flush()
+    if args.links:
+        return 0
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", args.backend_store_uri,
+           "--host", HOST, "--port", str(args.port)]
+    if args.workers:
+        cmd += ["--workers", str(args.workers)]
+    os.execv(sys.executable, cmd)  # the server takes this process over: Ctrl-C and its PID stop it
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""Quiet by default: what a library prints while a model loads goes to the run's log file, not the terminal;
+quantbench's own log lines still reach the terminal, and -v ($QUANTBENCH_VERBOSE) shows everything."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import pytest
+from conftest import FAST
+
+from harness import LOG_ENV, VERBOSE_ENV, runner
+from harness.config import build
+from quantizers.dtype import Dtype
+
+
+@dataclass
+class Noisy(Dtype):
+    """A quantizer whose library is chatty by every route: print, native writes to fd 1 and 2, logging."""
+
+    def load(self, *args, **kwargs):
+        print("NOISE-print-stdout")
+        print("NOISE-print-stderr", file=sys.stderr)
+        os.write(1, b"NOISE-fd1\n")
+        os.write(2, b"NOISE-fd2\n")
+        logging.getLogger("somelib").warning("NOISE-logging")
+        logging.getLogger("quantbench").warning("OURS-kept")
+        return super().load(*args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def console_logging(capfd):
+    """What run.py sets up (basicConfig: a root handler on the console stream, here the captured one)."""
+    handler = logging.StreamHandler(sys.stderr)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    yield
+    root.removeHandler(handler)
+
+
+def _run(compose, tmp_path):
+    exp = build(compose([*FAST, "accuracy.enabled=false", "measure.repetitions=1", "measure.warmup=0",
+                         "measure.max_new_tokens=2", "tracking.enabled=false", f"tracking.results_dir={tmp_path}"]))
+    exp.quantizer = Noisy(dtype="float32")
+    return runner.execute(exp)
+
+
+def test_library_output_goes_to_the_log_file_not_the_terminal(compose, tmp_path, capfd, monkeypatch):
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    log_file = tmp_path / "run.log"
+    monkeypatch.setenv(LOG_ENV, str(log_file))  # what run.py sets: Hydra's job log
+    result = _run(compose, tmp_path)
+    out, err = capfd.readouterr()
+    assert "NOISE" not in out + err, (out, err)
+    assert "OURS-kept" in err  # our own warnings stay visible
+    logged = log_file.read_text()
+    for noise in ("NOISE-print-stdout", "NOISE-print-stderr", "NOISE-fd1", "NOISE-fd2", "NOISE-logging", "OURS-kept"):
+        assert noise in logged, noise
+    assert result.tags["log_file"] == str(log_file)
+    print("after")  # the terminal is back once the load is done
+    assert capfd.readouterr().out == "after\n"
+
+
+def test_without_a_log_env_the_file_lands_under_results_and_verbose_shows_everything(compose, tmp_path, capfd,
+                                                                                      monkeypatch):
+    monkeypatch.delenv(LOG_ENV, raising=False)
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    result = _run(compose, tmp_path)
+    assert "NOISE" not in "".join(capfd.readouterr())
+    assert result.tags["log_file"].startswith(str(tmp_path / "logs"))
+    assert "NOISE-fd2" in open(result.tags["log_file"]).read()
+
+    monkeypatch.setenv(VERBOSE_ENV, "1")
+    _run(compose, tmp_path)
+    out, err = capfd.readouterr()
+    assert "NOISE-print-stdout" in out and "NOISE-fd1" in out and "NOISE-fd2" in err
