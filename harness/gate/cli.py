@@ -1,0 +1,200 @@
+"""`python -m harness.gate`: options, the run (load, measure, check accuracy, decide) and the exit code.
+
+    python -m harness.gate --baseline "<hydra overrides>" --candidate "<hydra overrides>"
+    python -m harness.gate --baseline "<overrides>" --candidate-rev <git rev>   # compare code
+
+Exit codes: 0 pass, 1 regression, 2 error. Anything that makes a comparison impossible (a side that
+fails to load or run, NaN, zero decode tokens, a metric missing on either side, a baseline file that
+does not exist or was written for another config) is an error, never a pass. An undecided speed
+comparison (the time budget ran out first) passes, and the summary says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from harness.errors import QuantbenchError
+from harness.gate import accuracy, interleave, report
+from harness.gate.errors import ERROR, PASS, REGRESSION, GateError
+from harness.gate.sides import make_side
+from harness.gate.stats import REGRESSION as SPEED_REGRESSION
+from harness.gate.stats import SpeedStats
+
+log = logging.getLogger("quantbench")
+DEFAULT = interleave.Plan()  # the speed defaults live in one place
+
+
+@dataclass
+class GateOptions:
+    """Everything a gate run needs; validated before any work (one GateError listing every problem)."""
+
+    baseline: list[str]
+    candidate: list[str]
+    baseline_rev: str = ""
+    candidate_rev: str = ""
+    threshold: float = DEFAULT.threshold
+    block_steps: int = DEFAULT.block_steps
+    warmup_steps: int = DEFAULT.warmup_steps
+    min_blocks: int = DEFAULT.min_pairs
+    max_blocks: int = DEFAULT.max_pairs
+    budget_s: float = DEFAULT.budget_s
+    resamples: int = DEFAULT.resamples
+    seed: int = DEFAULT.seed
+    confidence: float = DEFAULT.confidence
+    accuracy_baseline: str = ""
+    write_baseline: bool = False
+    greedy_tokens: int = 0
+    skip_speed: bool = False
+    summary: str = ""
+    output: str = ""
+    mlflow: bool = True
+    timeout_s: float = 900.0
+
+    def plan(self) -> interleave.Plan:
+        return interleave.Plan(block_steps=self.block_steps, warmup_steps=self.warmup_steps,
+                               min_pairs=self.min_blocks, max_pairs=self.max_blocks, budget_s=self.budget_s,
+                               threshold=self.threshold, confidence=self.confidence, resamples=self.resamples,
+                               seed=self.seed)
+
+    def __post_init__(self) -> None:
+        problems = self.plan().problems()
+        if self.write_baseline and not self.accuracy_baseline:
+            problems.append("--write-baseline needs --accuracy-baseline PATH (where to write it)")
+        if self.greedy_tokens < 0:
+            problems.append("--greedy-tokens must be >= 0 (0 = all tokens)")
+        if problems:
+            raise GateError("; ".join(problems))
+
+
+@dataclass
+class GateResult:
+    code: int
+    verdict: str  # pass | regression | error
+    options: dict
+    speed: SpeedStats | None = None
+    samples: dict = field(default_factory=dict)  # per-block tokens/s of each side, pairs in AB, BA, ... order
+    accuracy: list[accuracy.Check] = field(default_factory=list)
+    accuracy_metrics: dict = field(default_factory=dict)
+    error: str = ""
+    info: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    wrote_baseline: str = ""
+
+
+def run_gate(opts: GateOptions) -> GateResult:
+    """Measure, compare and decide. Never raises for a failed comparison: the result carries code 2."""
+    t0 = time.perf_counter()
+    res = GateResult(code=ERROR, verdict="error", options=asdict(opts))
+    sides = [make_side("baseline", opts.baseline, opts.baseline_rev, opts.timeout_s),
+             make_side("candidate", opts.candidate, opts.candidate_rev, opts.timeout_s)]
+    try:
+        for side in sides:  # every config problem before any model loads
+            side.validate()
+        base, cand = sides
+        if opts.write_baseline:
+            res.info["candidate"] = cand.load()
+            res.wrote_baseline = accuracy.write_baseline(Path(opts.accuracy_baseline), cand, res.info["candidate"])
+            res.code, res.verdict = PASS, "pass"
+            return res
+        if not opts.skip_speed or opts.accuracy_baseline:
+            res.info["candidate"] = cand.load()
+        if not opts.skip_speed:
+            res.info["baseline"] = base.load()
+            a, b, res.speed = interleave.measure_sequential(base, cand, opts.plan())
+            res.samples = {"baseline": a, "candidate": b}
+        if opts.accuracy_baseline:
+            path = Path(opts.accuracy_baseline)
+            data = accuracy.load_baseline(path)
+            accuracy.check_baseline_config(res.info["candidate"].get("config", {}), data, path)
+            res.accuracy_metrics = cand.accuracy()
+            res.accuracy = accuracy.compare_accuracy(res.accuracy_metrics, data, opts.greedy_tokens)
+        failed = ((res.speed is not None and res.speed.verdict == SPEED_REGRESSION)
+                  or any(not c.ok for c in res.accuracy))
+        res.code, res.verdict = (REGRESSION, "regression") if failed else (PASS, "pass")
+    except Exception as exc:  # noqa: BLE001 - any failure is exit 2 with one line, never a pass
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        res.error = text if isinstance(exc, QuantbenchError) else f"{type(exc).__name__}: {text}"
+        res.code, res.verdict = ERROR, "error"
+    finally:
+        for side in sides:
+            try:
+                side.close()
+            except Exception as exc:  # noqa: BLE001 - cleanup must not hide the verdict
+                log.warning("closing %s failed: %s", side.label, exc)
+        res.seconds = time.perf_counter() - t0
+    return res
+
+
+def parse_args(argv: list[str] | None) -> GateOptions:
+    ap = argparse.ArgumentParser(prog="python -m harness.gate", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Exit codes: 0 pass, 1 regression, 2 error. Details: docs/gate.md")
+    ap.add_argument("--baseline", default="", help="Hydra overrides of the baseline, in one string")
+    ap.add_argument("--candidate", default=None, help="Hydra overrides of the candidate (default: the baseline's)")
+    ap.add_argument("--candidate-rev", default="", help="measure the candidate with this git revision's code")
+    ap.add_argument("--baseline-rev", default="", help="measure the baseline with this git revision's code")
+    d = DEFAULT
+    ap.add_argument("--threshold", type=float, default=d.threshold,
+                    help=f"smallest tokens/s drop that fails (fraction; {d.threshold})")
+    ap.add_argument("--block-steps", type=int, default=d.block_steps, help=f"timed decode steps per block ({d.block_steps})")
+    ap.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                    help=f"untimed steps at the start of each block ({d.warmup_steps})")
+    ap.add_argument("--min-blocks", "--repetitions", dest="min_blocks", type=int, default=d.min_pairs,
+                    help=f"blocks per side at the first look (even, >= 8; {d.min_pairs})")
+    ap.add_argument("--max-blocks", type=int, default=d.max_pairs,
+                    help=f"blocks per side at the last planned look ({d.max_pairs})")
+    ap.add_argument("--budget", type=float, default=d.budget_s,
+                    help=f"seconds of speed measuring, then a last look ({d.budget_s:g})")
+    ap.add_argument("--resamples", type=int, default=d.resamples, help=f"bootstrap resamples ({d.resamples})")
+    ap.add_argument("--seed", type=int, default=d.seed, help="bootstrap seed")
+    ap.add_argument("--confidence", type=float, default=d.confidence,
+                    help=f"overall one-sided confidence over all looks ({d.confidence})")
+    ap.add_argument("--accuracy-baseline", default="", help="committed baseline file results/baselines/<name>.json")
+    ap.add_argument("--write-baseline", action="store_true", help="write the candidate's metrics to that file")
+    ap.add_argument("--greedy-tokens", type=int, default=0, help="compare only the first N greedy tokens (0=all)")
+    ap.add_argument("--skip-speed", action="store_true", help="accuracy check only")
+    ap.add_argument("--summary", default="", help="also write the markdown summary here")
+    ap.add_argument("--output", default="", help="gate JSON record (default: <results_dir>/gate/...)")
+    ap.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds a revision worker may take per request")
+    args = ap.parse_args(argv)
+    baseline = shlex.split(args.baseline)
+    candidate = baseline if args.candidate is None else shlex.split(args.candidate)
+    if args.candidate is None and not (args.candidate_rev or args.write_baseline or args.skip_speed):
+        raise GateError("give --candidate \"<overrides>\" and/or --candidate-rev <git rev>")
+    return GateOptions(baseline=baseline, candidate=candidate, baseline_rev=args.baseline_rev,
+                       candidate_rev=args.candidate_rev, threshold=args.threshold, block_steps=args.block_steps,
+                       warmup_steps=args.warmup_steps, min_blocks=args.min_blocks, max_blocks=args.max_blocks,
+                       budget_s=args.budget, resamples=args.resamples, seed=args.seed, confidence=args.confidence,
+                       accuracy_baseline=args.accuracy_baseline, write_baseline=args.write_baseline,
+                       greedy_tokens=args.greedy_tokens, skip_speed=args.skip_speed, summary=args.summary,
+                       output=args.output, mlflow=not args.no_mlflow, timeout_s=args.timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from harness import quiet_third_party
+
+    quiet_third_party()
+    try:
+        opts = parse_args(argv)
+    except GateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return ERROR
+    res = run_gate(opts)
+    markdown = report.summary_markdown(res)
+    report.emit(markdown, opts.summary)
+    try:
+        where = report.record(res, opts, markdown)
+        print(f"gate record: {where}")
+    except Exception as exc:  # noqa: BLE001 - the verdict stands without the record
+        print(f"warning: could not record the gate result: {exc}", file=sys.stderr)
+    if res.error:
+        print(f"error: {res.error}", file=sys.stderr)
+    return res.code
