@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--freezing", action="store_true")
     ap.add_argument("--batch", type=int, default=1, help="rows decoded together (the prompt repeated)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, eager only, 2 steps (seconds)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps, args.no_compile = 2, True
     quiet_third_party()
     from harness import fast_path
     from harness.config import build, compose
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness.models import load_pretrained, load_tokenizer
 
     threads = set_threads(0)
-    exp = build(compose(["model=smollm2_135m", "accuracy.enabled=false"]))
+    exp = build(compose(["model=tiny_random" if args.smoke else "model=smollm2_135m", "accuracy.enabled=false"]))
     tok = load_tokenizer(exp.model)
     model = load_pretrained(exp.model, args.dtype, "cpu")
     ids = torch.tensor([tok("The capital of France is", add_special_tokens=False)["input_ids"]]).repeat(args.batch, 1)

@@ -34,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repetitions (smoke run)")
     ap.add_argument("--only", default="", help="comma-separated subset of quantizers")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, fp32 and int8, few tokens (seconds)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides applied to every row")
     args = ap.parse_args()
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
@@ -43,10 +44,10 @@ def main() -> None:
     from harness.runner import run
 
     quiet_third_party()
-    names = [n for n in args.only.split(",") if n] or QUANTIZERS
-    common = ["model=smollm2_135m", "tracking.enabled=false", "tracking.results_dir=results/bench-quantizers",
+    names = [n for n in args.only.split(",") if n] or (["fp32", "int8"] if args.smoke else QUANTIZERS)
+    common = ["model=tiny_random" if args.smoke else "model=smollm2_135m", "tracking.enabled=false", "tracking.results_dir=results/bench-quantizers",
               "measure.threads=2", "accuracy.context_length=512", "accuracy.stride=512"]
-    common += (["measure.max_new_tokens=16", "measure.repetitions=1", "accuracy.max_tokens=512"] if args.quick
+    common += (["measure.max_new_tokens=16", "measure.repetitions=1", "accuracy.max_tokens=512"] if args.quick or args.smoke
                else ["measure.max_new_tokens=64", "measure.repetitions=3", "accuracy.max_tokens=2048"])
     calib = WIKITEXT / "valid.txt"
     rows = []

@@ -112,16 +112,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--draft-tokens", default="2,4,8")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 4 new tokens, one rep, 2 draft tokens (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        args.new_tokens, args.reps, args.draft_tokens = 4, 1, "2"
 
     from harness import measure, quiet_third_party
     from harness.engines import encode_prompts
-    from harness.models import EmbeddedGGUF, load_tokenizer
+    from harness.models import EmbeddedGGUF, TinyRandom, load_tokenizer
     from harness.prompts import PROMPT_SETS
 
     quiet_third_party()
     threads = measure.set_threads(0)
-    source = EmbeddedGGUF()
+    source = TinyRandom() if args.smoke else EmbeddedGGUF()
     tok = load_tokenizer(source)
     sets = {name: encode_prompts(tok, PROMPT_SETS[name], True) for name in ("default", "edit")}
     print(f"SmolLM2-135M, {threads} threads, {args.new_tokens} new tokens, greedy", flush=True)

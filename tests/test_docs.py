@@ -218,6 +218,10 @@ def run_py(args: list[str], work: Path) -> list[str]:
         out.append(f"hydra.sweep.dir={work}/hydra/sweep-{time.monotonic_ns()}")
     if any(a in args for a in ("quantizer=gptq_int4", "quantizer=rtn_int4")):  # calibration: 2 x 64 tokens
         out += ["quantizer.calibration_samples=2", "quantizer.calibration_length=64"]
+    keeps_model = any(a.startswith(("model", "+model", "engine=", "quantizer=gptq", "quantizer=rtn", "quantizer=awq",
+                                    "+experiment=")) for a in args[2:])
+    if not keeps_model:  # the tiny model: seconds instead of tens of seconds (`make run` runs the embedded one)
+        out.append("model=tiny_random")
     for a in args:  # a shipped sweep runs one cell the tiny model supports (all cells: tests/test_experiments.py)
         if a.startswith("+experiment=") and a.split("=", 1)[1] in NARROW_SWEEP:
             out += ["model=tiny_random", *NARROW_SWEEP[a.split("=", 1)[1]]]

@@ -52,8 +52,9 @@ def summary_markdown(res: Any) -> str:
                   f"({len(s.looks)} of {s.planned_looks} looks, {s.seconds:.1f} s) | {s.verdict} |", "",
                   f"Stopped: {s.stop}."]
         if s.verdict == UNDECIDED:
-            lines.append(f"**Undecided:** the bounds still straddle {_pct(-s.threshold)}, so this passes without a "
-                         "decision; raise `--budget`, or run on a quieter machine.")
+            lines.append(f"**Undecided:** no decision yet (see *Stopped*: the bounds straddle {_pct(-s.threshold)}, or "
+                         "too few blocks for one), so this passes without a decision; raise `--budget`, or run on a "
+                         "quieter machine.")
         lines += ["", f"Change = trimmed mean ({TRIM:.0%} each tail) of log(candidate / baseline tokens/s) over "
                   "adjacent block pairs; moving-block bootstrap bounds at the per-look level of a Pocock boundary "
                   f"(overall one-sided {s.confidence:.0%} over {s.planned_looks} planned looks). Noise seen: robust "
