@@ -3,7 +3,7 @@ PY := .venv/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-all run test lint ui clean-cache
+.PHONY: setup setup-all run test test-heavy lint ui clean-cache
 
 setup:
 	@bash scripts/setup.sh
@@ -16,6 +16,10 @@ run: setup
 
 test: setup-all
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# every shipped experiment, all cells, on the embedded model (narrowed sizes): by hand before a release
+test-heavy: setup-all
+	$(PY) -m pytest -m heavy $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

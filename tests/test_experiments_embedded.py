@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from harness import sweep
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # ~10 min: `make test-heavy`, not CI
 
 NARROW = ["model=smollm2_135m", "measure.max_new_tokens=3", "measure.repetitions=1", "measure.warmup=0",
           "accuracy.max_tokens=64", "accuracy.context_length=32", "accuracy.stride=32",
