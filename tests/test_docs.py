@@ -225,6 +225,8 @@ def run_py(args: list[str], work: Path) -> list[str]:
     sweep_run = "-m" in args or "--multirun" in args or _experiment_is_sweep(args)
     if not sweep_run and "accuracy." not in " ".join(args):  # speed commands: no accuracy pass (tests of its own)
         out.append("accuracy.enabled=false")
+    if not sweep_run and "tracking." not in " ".join(args):  # result JSON only (MLflow logging: tests of its own)
+        out.append("tracking.enabled=false")
     if not keeps_model:  # the tiny model: seconds instead of tens of seconds (`make run` runs the embedded one)
         out.append("model=tiny_random")
     for a in args:  # a shipped sweep runs one cell the tiny model supports (all cells: tests/test_experiments.py)
@@ -397,6 +399,8 @@ def test_documented_command_runs(cmd: DocCommand, work: Path, baselines: Path, r
                 proc.stdout[-3000:] + proc.stderr[-3000:]
             return
         if module == "harness.report" and "--mlflow-experiment" in args:
+            made = _run(run_py(["python", "run.py", "+experiment=smoke"], work))  # a sweep in MLflow to report on
+            assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
             args = [*args, "--tracking-uri", f"sqlite:///{work}/mlflow.db", "--out", f"{work}/report-mlflow"]
         if module == "harness.report" and len(args) > 3 and not args[3].startswith("-"):
             folder = Path(args[3])
