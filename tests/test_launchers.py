@@ -106,6 +106,8 @@ def mlflow_cells(uri: str, experiment: str) -> tuple[list, list]:
     return parents, cells
 
 
+# heavy tier (make test-heavy, ~50 s): CI runs the documented submitit_local smoke sweep (tests/test_docs.py)
+@pytest.mark.heavy
 def test_smoke_sweep_under_submitit_local_matches_the_basic_launcher(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     common = ["+experiment=smoke", f"tracking.results_dir={tmp_path}", f"tracking.uri={uri}",

@@ -26,6 +26,8 @@ def sweep_cmd(name: str, results: Path, uri: str, sweep_dir: Path) -> list[str]:
             "tracking.experiment=server-test", f"tracking.results_dir={results}"]
 
 
+# heavy tier (make test-heavy, ~1 min): CI runs the documented `python -m harness.server --postgres-dir` command
+@pytest.mark.heavy
 def test_two_concurrent_sweeps_into_postgres_backed_server(tmp_path):
     pg_bin("initdb")  # a missing PostgreSQL is a setup error (scripts/setup.sh --all), not a skip
     # PostgreSQL runs as the `postgres` user when we are root: its data dir must be reachable by it,
