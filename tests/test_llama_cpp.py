@@ -103,6 +103,7 @@ def test_llama_cpp_run_measures_the_same_metrics(compose, results_overrides):
     assert len(set(ref)) > 3  # not a degenerate token-0 stream
 
 
+@pytest.mark.heavy  # heavy tier (make test-heavy): keeps CI well inside 30 min on a cold machine
 @needs_extra
 @pytest.mark.slow
 def test_truth_check_perplexity_matches_llama_cpp_on_the_same_tokens(compose):

@@ -249,6 +249,7 @@ def test_bad_options_list_allowed_values(compose):
 
 
 # --- embedded model -------------------------------------------------------------------------------------
+@pytest.mark.heavy  # heavy tier (make test-heavy): keeps CI well inside 30 min on a cold machine
 @pytest.mark.slow
 def test_gptq_beats_rtn_and_stays_near_fp32(results_overrides, tmp_path):
     """GPTQ int4 g128 (16 x 256 calibration tokens from WikiText-2 valid) on SmolLM2-135M: perplexity on the

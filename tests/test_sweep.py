@@ -45,6 +45,7 @@ def mlflow_runs(tmp: Path):
     return c, c.search_runs([exp.experiment_id], max_results=1000)
 
 
+@pytest.mark.heavy  # heavy tier (make test-heavy): keeps CI well inside 30 min on a cold machine
 def test_fault_drill_then_resume_reruns_only_the_bad_cells(tmp_path):
     # 6 cells: float32 x 2 succeed; bfloat16@seed0 is SIGKILLed, bfloat16@seed1 hangs past the timeout;
     # float16 x 2 run out of memory. (An invalid cell refuses the whole sweep before any cell starts:
@@ -182,6 +183,7 @@ def test_sigterm_kills_the_cell_and_closes_the_sweep(tmp_path):
     assert (tmp_path / "term" / "report.md").exists()
 
 
+@pytest.mark.heavy  # heavy tier (make test-heavy): keeps CI well inside 30 min on a cold machine
 def test_sigkilled_sweep_leaves_no_orphan_and_next_start_marks_it_killed(tmp_path):
     import psutil
 

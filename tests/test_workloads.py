@@ -231,6 +231,7 @@ def test_crossover_figure_and_bench_table_in_the_report(tmp_path):
     assert report.bench_table(report.rows_for(cells, "none")) == ""  # not synthetic: no bench table
 
 
+@pytest.mark.heavy  # heavy tier (make test-heavy): keeps CI well inside 30 min on a cold machine
 def test_crossover_sweep_on_the_tiny_model(tmp_path):
     """The experiment itself, narrowed: 2 quantizers x 2 batch sizes at one depth, warm cells."""
     env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
@@ -256,6 +257,7 @@ needs_llama = pytest.mark.skipif(not __import__("harness.llama_cpp", fromlist=["
                                  reason="llama-cpp-python extra not installed (scripts/setup.sh --all; CI has it)")
 
 
+@pytest.mark.heavy  # heavy tier (make test-heavy): keeps CI well inside 30 min on a cold machine
 @needs_llama
 @pytest.mark.slow
 def test_llama_bench_narrowed_on_both_engines_at_depth(tmp_path):
