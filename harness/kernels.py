@@ -76,7 +76,7 @@ def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
         log.warning("kernel profile failed: %s", exc)
         return {"kernel.linear": f"profile failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"}, {}
     events = [(e.key, float(e.self_cpu_time_total), int(e.count)) for e in prof.key_averages()]
-    if log.isEnabledFor(logging.DEBUG):  # the whole profile: log_level=DEBUG
+    if log.isEnabledFor(logging.DEBUG):  # the whole profile table: run.py ... hydra.verbose=quantbench
         log.debug("decode-step profile:\n%s", prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     found = dominant_linear(events, state["steps"] or tokens)
     tags = {k: v for k, v in found.items() if k.startswith("kernel.")}
