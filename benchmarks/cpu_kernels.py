@@ -43,9 +43,13 @@ PATHS: dict[str, tuple[str, list[tuple[str, list[str]]]]] = {
     "bf16": ("BF16", [("eager", ["quantizer=bf16"]),
                       ("compiled", ["quantizer=bf16", *COMPILED]),
                       ("compiled+freezing", ["quantizer=bf16", *FROZEN])]),
+    # int8 resolves to torchao_int8 kernel=int8pack on CPU; the `torchao subclass` rows keep torchao's own
+    # Int8Tensor (eager: dequantize + mm per call; compiled: inductor's int8pack rewrite), for comparison
     "int8": ("Q8_0", [("eager", ["quantizer=int8"]),
+                      ("eager torchao subclass", ["quantizer=torchao_int8", "quantizer.kernel=torchao"]),
                       ("eager quanto", ["quantizer=quanto_int8", "model.dtype=bfloat16"]),
                       ("compiled", ["quantizer=int8", *COMPILED]),
+                      ("compiled torchao subclass", ["quantizer=torchao_int8", "quantizer.kernel=torchao", *COMPILED]),
                       ("compiled+freezing", ["quantizer=int8", *FROZEN])]),
     "int4": ("Q4_0", [("eager", ["quantizer=int4"]),
                       ("compiled", ["quantizer=int4", *COMPILED]),

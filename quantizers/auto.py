@@ -10,7 +10,7 @@ else is delegated to it; tags `quantizer.backend` and `quantizer.resolved` recor
 
 | device / row | none | int8 | int4 |
 |---|---|---|---|
-| cpu, native bf16 (avx512_bf16, amx) | bf16 | eager: torchao_int8; compiled: torchao_int8 | torchao_int4 (packed CPU layout) |
+| cpu, native bf16 (avx512_bf16, amx) | bf16 | torchao_int8 (kernel int8pack) | torchao_int4 (packed CPU layout) |
 | cpu, avx2 / avx512 without bf16 | bf16 weights, multi-token matmuls in fp32 | same | same |
 | cpu without avx2 | fp32 | same | same |
 | cuda | model.dtype | torchao_int8, bnb_int8, quanto_int8 | torchao_int4 (tinygemm), bnb_nf4, quanto_int4 |
@@ -23,11 +23,12 @@ docs/fast_path.md have the tables):
   `PrototypeInt4WeightOnlyConfig`): 4.5 bits/weight really stored, `aten::_weight_int4pack_mm_for_cpu`
   with bf16 activations in eager and compiled mode. It was the fastest format here at batch 1 (compiled
   37 tok/s vs bf16 33) and prefills as fast as fp32. bnb_nf4 stays as the fallback.
-- `int8` -> torchao_int8 weight-only. Compiled, inductor rewrites its dequantize + matmul into
-  `aten::_weight_int8pack_mm`. Eager, torchao dequantizes the whole weight at every call; quanto_int8
-  reaches `_weight_int8pack_mm` in eager mode too, but its Python dispatch costs as much as the
-  dequantize here (both 15 tok/s eager, bf16 22), so neither eager path beats bf16: compile int8.
-  torchao stays first because the eager numbers are equal and only torchao's compiles to the fast op.
+- `int8` -> torchao_int8 weight-only, whose CPU default `kernel=int8pack` takes torchao's int8 rows and
+  scales out of its tensor subclass and calls `aten::_weight_int8pack_mm` directly, eager and compiled
+  (quantizers/int8pack.py). Paired against bf16 on the same prompts (harness.gate A/B): eager -2.0%
+  [-4.7, +0.5] vs `none` (the subclass path was 0.56x: it dequantizes per call), compiled +11.1%
+  [+9.3, +14.0] vs bf16 compiled (the subclass path compiled was -2.6%). quanto_int8 reaches the same op
+  eager but through Python dispatch; it stays the fallback.
 
 The int kernels need bf16 activations (5-10x slower with fp32 ones), so torchao's CPU int paths load
 the float parts in bf16 whatever model.dtype says.

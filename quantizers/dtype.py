@@ -38,9 +38,12 @@ from quantizers.base import Quantizer
 _BITS = {"float32": 32.0, "bfloat16": 16.0, "float16": 16.0}
 PREFILL_MATMUL = ("auto", "native", "fp32")
 # Rows (tokens x batch) from which a 16-bit matmul on a CPU without native 16-bit dot products runs in fp32
-# on upcast weights. Measured on Zen 3 (one 1536x576 linear, 2 threads): 1 row bf16 187 us vs upcast 338
-# (reading fp32 costs more than emulating), 8 rows 881 vs 616, 64 rows 6535 vs 1163, 200 rows 19.9 vs 3.1 ms.
-PREFILL_ROWS = 4
+# on upcast weights. Measured on Zen 3, 2 threads, all of SmolLM2's linears (30 layers + the 49152-row head,
+# weights from DRAM, the reused upcast buffer): rows 1: bf16 23 ms vs upcast 57; 4: 70-82 vs 94-138;
+# 5-6: 85-92 vs 141-152 (one outlier run 137 vs 90); 8: 120-125 vs 98-148; 12: 254 vs 168; 16: 267 vs 179.
+# The upcast costs a nearly fixed weight conversion, emulated bf16 ~15 ms more per row. The first cut (4
+# rows, from one 1536x576 linear in cache) made 4-row batched decode upcast and run slower than batch 1.
+PREFILL_ROWS = 12
 
 
 _SCRATCH: dict[tuple[int, ...], Any] = {}  # one fp32 weight buffer per shape, reused by every layer of that shape

@@ -15,10 +15,21 @@ int4 has three kernels, chosen by `kernel`:
   with bf16 scales. On CPU torchao 0.18 fails ("Torch not compiled with CUDA enabled"; the default
   "plain" format needs the `mslk` package), so preflight refuses it there.
 
-int8 weight-only (`Int8WeightOnlyConfig`) dequantizes the whole weight to the activation dtype at every
-call in eager mode (`aten::copy_` + `aten::mm`); under `measure.compile=true` inductor's weight-only-int8
-pattern rewrites that into `aten::_weight_int8pack_mm` (tag `kernel.linear` shows which ran). That op,
-too, is fast only with bf16 activations, so on CPU torchao_int8 loads the float parts in bf16.
+int8 weight-only (`Int8WeightOnlyConfig`, per-row scales) has two kernels, chosen by `kernel`:
+- `int8pack` (CPU, the default there): torchao quantizes, then each layer's int8 rows and scales move into
+  an `Int8PackLinear` that calls `aten::_weight_int8pack_mm` directly, in eager and compiled mode alike.
+  torchao's own tensor subclass (`Int8Tensor`) dequantizes the whole weight to bf16 at every eager call
+  (`aten::copy_` + `aten::mm`: int8 read, bf16 written and read again), and compiled, dynamo unwraps
+  the subclass of every layer at every step (its cache lookup took 3.9 ms/step against 1.9 with plain
+  tensors on Zen 3). Measured there (docs/fast_path.md): the whole SmolLM2 body at 1 row 17.4 ms int8pack
+  vs 16.8 ms bf16, at 4 rows 21 vs 53 ms (emulated bf16 GEMM), at 16 rows 74 vs 222 ms. From
+  `INT8_UPCAST_ROWS` rows (prefill, scoring) on a CPU that emulates bf16 the layer dequantizes into a reused
+  fp32 buffer and runs an fp32 GEMM instead (200 rows: 670 vs 792 ms), the int8 twin of the fp32 prefill
+  rule of quantizers/dtype.py (quantizers/int8pack.py). The op is fast only with bf16 activations, so the float parts load in bf16.
+- `torchao` (and always on CUDA and for `dynamic=true`): torchao's tensor subclass as is; under
+  `measure.compile=true` inductor's weight-only-int8 pattern rewrites its dequantize + mm into
+  `aten::_weight_int8pack_mm` too. Kept for comparison.
+Tag `kernel.linear` records which op really ran.
 
 Layers that are left in 16 bits (the tied output projection) get the fp32 upcast of multi-token
 matmuls where the CPU emulates bf16 (quantizers/dtype.py), which keeps prefill and scoring fast.
@@ -34,6 +45,7 @@ from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
 
 KERNELS = ("auto", "packed", "intx", "tinygemm")
+INT8_KERNELS = ("auto", "int8pack", "torchao")
 
 
 class BF16OnCPU:
@@ -54,6 +66,7 @@ class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
     """int8 per-row weights; `dynamic=True` also quantizes activations per token (int8 x int8 matmul)."""
 
     dynamic: bool = False
+    kernel: str = "auto"  # auto (int8pack on CPU weight-only, else torchao) | int8pack | torchao
 
     library = "torchao"
     quantizes = True
@@ -61,17 +74,48 @@ class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
     max_bits_per_weight = 9.0  # 8 + fp32 scale and int8 zero point per row
     instead = "quantizer=bnb_int8"
 
+    def __post_init__(self) -> None:
+        errs = [one_of("quantizer.kernel", self.kernel, INT8_KERNELS)]
+        if self.dynamic and self.kernel == "int8pack":
+            errs.append("quantizer.kernel=int8pack is weight-only; with quantizer.dynamic=true choose one of: auto, torchao")
+        if any(errs):
+            raise ConfigError([e for e in errs if e])
+        self._device = "cpu"
+
     @property
     def name(self) -> str:
         return "torchao_int8_dyn" if self.dynamic else "torchao_int8"
 
+    def _kernel(self, device: str) -> str:
+        if self.kernel != "auto":
+            return self.kernel
+        return "int8pack" if device.startswith("cpu") and not self.dynamic else "torchao"
+
     @property
     def backend(self) -> str:  # type: ignore[override]
-        return "torchao.int8_dynamic_int8_weight" if self.dynamic else "torchao.int8_weight_only"
+        if self.dynamic:
+            return "torchao.int8_dynamic_int8_weight"
+        return "torchao.int8_weight_only" + ("+int8pack" if self._kernel(self._device) == "int8pack" else "")
 
     def preflight(self, device: str) -> None:
         super().preflight(device)
         self._device = device
+        if self._kernel(device) == "int8pack" and not device.startswith("cpu"):
+            raise QuantbenchError("quantizer torchao_int8 kernel=int8pack is the CPU path; on CUDA use "
+                                  "quantizer.kernel=torchao (or auto)")
+
+    def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
+        model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)
+        if self._kernel(device) == "int8pack":
+            from harness.env import cpu_info
+            from quantizers.dtype import native_16bit
+            from quantizers.int8pack import INT8_UPCAST_ROWS, to_int8pack
+
+            upcast = 0 if native_16bit("bfloat16", cpu_info()) else INT8_UPCAST_ROWS
+            n = to_int8pack(model, upcast)
+            self.last_tags["quantizer.int8pack"] = (f"{n} layers; fp32 from {upcast} rows (bf16 emulated on "
+                                                    f"{cpu_info().isa})" if upcast else f"{n} layers")
+        return model
 
     def load_dtype(self, model_dtype: str) -> str:
         # the weight-only int8 op is fast with bf16 activations only; dynamic int8 quantizes them anyway

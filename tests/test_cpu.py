@@ -82,6 +82,7 @@ def test_none_records_its_resolution_and_the_prefill_upcast(compose, monkeypatch
     from harness import env
     from harness.config import build
     from harness.models import load_tokenizer
+    from quantizers.dtype import PREFILL_ROWS
 
     monkeypatch.setattr(env, "cpu_info", lambda: parse_cpuinfo(ZEN3))
     exp = build(compose(FAST + ["quantizer=none", "model.dtype=bfloat16"]))
@@ -89,14 +90,15 @@ def test_none_records_its_resolution_and_the_prefill_upcast(compose, monkeypatch
     model = exp.quantizer.load(exp.model, tokenizer=load_tokenizer(exp.model), device="cpu", experiment=exp)
     tags = exp.quantizer.last_tags
     assert tags["quantizer.resolved"] == "bf16" and "avx2" in tags["quantizer.resolved_by"]
-    assert tags["quantizer.prefill_matmul"].startswith("fp32 from 4 rows")
+    assert tags["quantizer.prefill_matmul"].startswith(f"fp32 from {PREFILL_ROWS} rows") and PREFILL_ROWS == 12
     lin = model.model.layers[0].mlp.down_proj
     assert type(lin) is torch.nn.Linear and lin.weight.dtype == torch.bfloat16  # class and bytes unchanged
-    x = torch.randn(8, lin.in_features, dtype=torch.bfloat16)
+    x = torch.randn(2, PREFILL_ROWS // 2, lin.in_features, dtype=torch.bfloat16)  # 2 sequences x 6 tokens
     want = torch.nn.functional.linear(x.float(), lin.weight.float()).bfloat16()  # fp32 accumulation
     assert torch.equal(lin(x), want)
-    one = x[:1]
-    assert torch.equal(lin(one), torch.nn.functional.linear(one, lin.weight))  # decode rows: native bf16
+    for rows in (1, 4, PREFILL_ROWS - 1):  # decode steps, batched decode of 4: native bf16
+        few = x.reshape(-1, lin.in_features)[:rows]
+        assert torch.equal(lin(few), torch.nn.functional.linear(few, lin.weight))
 
     monkeypatch.setattr(env, "cpu_info", lambda: parse_cpuinfo(ZEN5))
     exp = build(compose(FAST + ["quantizer=bf16"]))
@@ -105,18 +107,20 @@ def test_none_records_its_resolution_and_the_prefill_upcast(compose, monkeypatch
     assert exp.quantizer.last_tags["quantizer.prefill_matmul"].startswith("native")
 
 
-def test_profiled_decode_step_names_the_int4_kernel(compose):
+@pytest.mark.parametrize("quantizer,kernel", [("torchao_int4", "aten::_weight_int4pack_mm_for_cpu"),
+                                              ("torchao_int8", "aten::_weight_int8pack_mm")])  # eager, both
+def test_profiled_decode_step_names_the_int_kernel(compose, quantizer, kernel):
     from harness import kernels
     from harness.config import build
     from harness.models import load_tokenizer
     from strategies.base import DecodeOptions
     from strategies.greedy import Greedy
 
-    exp = build(compose(FAST + ["quantizer=torchao_int4"]))
+    exp = build(compose(FAST + [f"quantizer={quantizer}"]))
     exp.quantizer.preflight("cpu")
     model = exp.quantizer.load(exp.model, tokenizer=load_tokenizer(exp.model), device="cpu", experiment=exp)
     tags, metrics = kernels.profile_linear(Greedy(), model, [[5, 6, 7, 8]], DecodeOptions(max_new_tokens=8))
-    assert tags["kernel.linear"] == "aten::_weight_int4pack_mm_for_cpu", tags
+    assert tags["kernel.linear"] == kernel, tags
     assert tags["kernel.profiled"] == "4 decode steps" and 0 < metrics["kernel_linear_share"] <= 1
     assert tags["kernel.linear_calls_per_step"] == str(7 * exp.model.num_hidden_layers)  # q k v o gate up down
 

@@ -241,6 +241,47 @@ def test_gptq_default_calibration_is_the_shipped_text_and_long_enough(compose):
     assert not set(CALIBRATION_TEXT.read_text().split("\n\n")) & set(scored.split("\n\n"))  # no shared paragraph
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_torchao_int8_int8pack_is_torchaos_weights_on_the_aten_op(compose, monkeypatch, native_bf16):
+    """kernel=int8pack (the CPU default) keeps torchao's int8 rows and scales, swaps the tensor subclass for a
+    plain module calling aten::_weight_int8pack_mm, and matches torchao's own (dequantize + mm) path; from
+    INT8_UPCAST_ROWS rows on a CPU that emulates bf16 it dequantizes to fp32 instead, to the same result."""
+    from test_cpu import ZEN3, ZEN5
+
+    from harness import env
+    from harness.env import parse_cpuinfo
+    from quantizers.int8pack import INT8_UPCAST_ROWS, Int8PackLinear
+
+    monkeypatch.setattr(env, "cpu_info", lambda: parse_cpuinfo(ZEN5 if native_bf16 else ZEN3))
+    fast, _ = _load(_exp(compose, "torchao_int8"))
+    slow_exp = _exp(compose, "torchao_int8", ["quantizer.kernel=torchao"])
+    slow, _ = _load(slow_exp)
+    lin, ref = fast.model.layers[0].mlp.down_proj, slow.model.layers[0].mlp.down_proj
+    assert type(lin) is Int8PackLinear and type(ref.weight).__name__ == "Int8Tensor"
+    assert torch.equal(lin.qdata, ref.weight.qdata) and lin.qdata.dtype == torch.int8
+    assert lin.upcast_rows == (0 if native_bf16 else INT8_UPCAST_ROWS)
+    assert _exp(compose, "torchao_int8").quantizer.backend == "torchao.int8_weight_only+int8pack"
+    assert slow_exp.quantizer.backend == "torchao.int8_weight_only"
+    for rows in (1, 4, INT8_UPCAST_ROWS):
+        x = torch.randn(rows, lin.in_features, dtype=torch.bfloat16)
+        got, want = lin(x).float(), ref(x).float()
+        assert got.shape == want.shape == (rows, lin.out_features)
+        assert torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item()), (rows, (got - want).abs().max())
+    audit = _exp(compose, "torchao_int8").quantizer.audit(fast)
+    assert audit["quantized_layers"] == audit["linear_layers"] and 8.0 <= audit["bits_per_weight"] <= 8.6
+    assert "Int8PackLinear[Tensor:int8]" in audit["kernel_path"]
+
+
+def test_torchao_int8_kernel_options_are_checked(compose):
+    with pytest.raises(ConfigError, match="quantizer.kernel='fast'.*auto, int8pack, torchao"):
+        _exp(compose, "torchao_int8", ["quantizer.kernel=fast"])
+    with pytest.raises(ConfigError, match="int8pack is weight-only"):
+        _exp(compose, "torchao_int8_dyn", ["+quantizer.kernel=int8pack"])
+    exp = _exp(compose, "torchao_int8", ["quantizer.kernel=int8pack"])
+    with pytest.raises(QuantbenchError, match="int8pack is the CPU path; on CUDA use quantizer.kernel=torchao"):
+        exp.quantizer.preflight("cuda")
+
+
 def test_bad_options_list_allowed_values(compose):
     with pytest.raises(ConfigError, match="quantizer.quant_type='nf3'.*nf4, fp4"):
         _exp(compose, "bnb_nf4", ["quantizer.quant_type=nf3"])
