@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # ~10 min: `make test-heavy`
 NARROW = ["model=smollm2_135m", "measure.max_new_tokens=3", "measure.repetitions=1", "measure.warmup=0",
           "accuracy.max_tokens=64", "accuracy.context_length=32", "accuracy.stride=32",
           "sweep.timeout_s=1200"]  # smoke's 300 s is for the tiny model; a loaded 2-core CI box needs more here
-TINY_CALIBRATION = ["quantizer.calibration_samples=2", "quantizer.calibration_length=32"]
+# `++`: Hydra composes a sweep's base config with the experiment's default quantizer (none), which has no
+# calibration keys; plain `quantizer.calibration_samples=2` fails there ("Key ... is not in struct")
+TINY_CALIBRATION = ["++quantizer.calibration_samples=2", "++quantizer.calibration_length=32"]
 
 
 def swept(name: str, key: str) -> list[str]:
