@@ -5,9 +5,14 @@ same quantizer can reach very different ones (torchao int8 weight-only dequantiz
 in eager mode, but runs `aten::_weight_int8pack_mm` once inductor rewrites it). So after the timed
 region each run decodes a few more tokens of its first batch under torch.profiler, starting after the
 prefill (the `choose` hook of the decode loop fires after every forward), and records the linear-like
-operator with the most self CPU time as tag `kernel.linear` (e.g. `aten::_weight_int4pack_mm_for_cpu`),
-with its share of the profiled decode time (`kernel.linear_share`, also metric `kernel_linear_share`)
-and its calls per step. A strategy that never calls the hook (its own loop) is profiled whole, prefill
+operator with the most self CPU time *in the body layers* as tag `kernel.linear` (e.g.
+`aten::_weight_int4pack_mm_for_cpu`), with its share of the profiled decode time (`kernel.linear_share`,
+also metric `kernel_linear_share`) and its calls per step. The output projection is tagged apart
+(`kernel.lm_head`, `kernel.lm_head_share`): quantizers leave it (often tied to the embedding) in 16 bits,
+and where the int kernels are fast (Zen 5) its one big bf16 matmul outweighs all the body's int matmuls
+of a small model, so a single "dominant op" would read `aten::mm` and tell a reader that int4 fell back
+to a dequantized path when it did not. Ops are told apart by shape: the output projection's operands
+carry the vocabulary dimension (the output embedding's row count), which no body layer has. A strategy that never calls the hook (its own loop) is profiled whole, prefill
 included (tag `kernel.profiled=whole generation`).
 """
 
@@ -32,16 +37,58 @@ def is_linear_op(name: str) -> bool:
     return any(k in low for k in LINEAR_OPS) and not any(k.lower() in low for k in NOT_LINEAR)
 
 
-def dominant_linear(events: list[tuple[str, float, int]], steps: int) -> dict[str, Any]:
-    """From (name, self CPU us, calls) rows: the linear op with the most self time, and its share."""
-    total = sum(t for _, t, _ in events)
-    linear = [e for e in events if is_linear_op(e[0])]
+Event = tuple  # (name, self CPU us, calls) or (name, self CPU us, calls, input shapes)
+
+
+def _touches(shapes: Any, dim: int) -> bool:
+    """Whether any operand shape (a list of lists of ints, possibly nested) has `dim` as a dimension."""
+    if isinstance(shapes, int):
+        return shapes == dim
+    return isinstance(shapes, (list, tuple)) and any(_touches(s, dim) for s in shapes)
+
+
+def _by_name(events: list[Event]) -> list[tuple[str, float, int]]:
+    """Sum rows of one op name (the profiler splits them by operand shape) into (name, us, calls)."""
+    acc: dict[str, list[float]] = {}
+    for e in events:
+        row = acc.setdefault(e[0], [0.0, 0])
+        row[0] += e[1]
+        row[1] += e[2]
+    return [(n, t, int(c)) for n, (t, c) in acc.items()]
+
+
+def _dominant(events: list[Event], total: float, steps: int, tag: str, metric: str) -> dict[str, Any]:
+    linear = [e for e in _by_name(events) if is_linear_op(e[0])]
     if not linear or total <= 0:
-        return {"kernel.linear": "none found"}
+        return {tag: "none found"}
     name, self_us, calls = max(linear, key=lambda e: e[1])
-    return {"kernel.linear": name, "kernel.linear_share": f"{self_us / total:.0%}",
-            "kernel.linear_calls_per_step": str(round(calls / max(steps, 1))),
-            "kernel_linear_share": self_us / total, "kernel_linear_ms_per_step": self_us / 1e3 / max(steps, 1)}
+    return {tag: name, f"{tag}_share": f"{self_us / total:.0%}",
+            f"{tag}_calls_per_step": str(round(calls / max(steps, 1))),
+            f"{metric}_share": self_us / total, f"{metric}_ms_per_step": self_us / 1e3 / max(steps, 1)}
+
+
+def dominant_linear(events: list[Event], steps: int, vocab: int | None = None) -> dict[str, Any]:
+    """The body layers' linear op with the most self time (`kernel.linear`) and its share of all profiled
+    time; with `vocab` and shaped rows, the output projection's op apart (`kernel.lm_head`)."""
+    total = sum(e[1] for e in events)
+    if vocab:
+        head = [e for e in events if len(e) > 3 and _touches(e[3], vocab)]
+        body = [e for e in events if not (len(e) > 3 and _touches(e[3], vocab))]
+    else:
+        head, body = [], events
+    found = _dominant(body, total, steps, "kernel.linear", "kernel_linear")
+    if vocab:
+        found.update(_dominant(head, total, steps, "kernel.lm_head", "kernel_lm_head"))
+    return found
+
+
+def vocab_rows(model: Any) -> int | None:
+    """Rows of the output projection (the vocabulary): the dimension that marks its matmul in a profile."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is not None and weight.dim() == 2:
+        return int(weight.shape[0])
+    return getattr(getattr(model, "config", None), "vocab_size", None)
 
 
 def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
@@ -49,7 +96,7 @@ def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
     """Profile `tokens` decode steps of one generation of `batch`; returns (tags, metrics)."""
     from torch.profiler import ProfilerActivity, profile
 
-    prof = profile(activities=[ProfilerActivity.CPU])
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
     state = {"started": False, "steps": 0}
 
     def choose(logits: Any, index: int) -> Any:
@@ -75,12 +122,14 @@ def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
             prof.stop()
         log.warning("kernel profile failed: %s", exc)
         return {"kernel.linear": f"profile failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"}, {}
-    events = [(e.key, float(e.self_cpu_time_total), int(e.count)) for e in prof.key_averages()]
+    events = [(e.key, float(e.self_cpu_time_total), int(e.count), e.input_shapes)
+              for e in prof.key_averages(group_by_input_shape=True)]
     if log.isEnabledFor(logging.DEBUG):  # the whole profile table: run.py ... hydra.verbose=quantbench
         log.debug("decode-step profile:\n%s", prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    found = dominant_linear(events, state["steps"] or tokens)
+    found = dominant_linear(events, state["steps"] or tokens, vocab_rows(model))
     tags = {k: v for k, v in found.items() if k.startswith("kernel.")}
     tags["kernel.profiled"] = "whole generation" if whole else f"{state['steps'] or tokens} decode steps"
     metrics = {k: v for k, v in found.items() if not k.startswith("kernel.")}
-    log.info("kernel.linear=%s (%s of profiled decode time)", tags["kernel.linear"], tags.get("kernel.linear_share", "?"))
+    log.info("kernel.linear=%s (%s of profiled decode time), output projection %s (%s)", tags["kernel.linear"],
+             tags.get("kernel.linear_share", "?"), tags.get("kernel.lm_head", "?"), tags.get("kernel.lm_head_share", "?"))
     return tags, metrics

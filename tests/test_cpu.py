@@ -123,6 +123,9 @@ def test_profiled_decode_step_names_the_int_kernel(compose, quantizer, kernel):
     assert tags["kernel.linear"] == kernel, tags
     assert tags["kernel.profiled"] == "4 decode steps" and 0 < metrics["kernel_linear_share"] <= 1
     assert tags["kernel.linear_calls_per_step"] == str(7 * exp.model.num_hidden_layers)  # q k v o gate up down
+    # the output projection (tied embedding, never quantized) is tagged apart, one 16-bit matmul per step
+    assert tags["kernel.lm_head"] in ("aten::mm", "aten::addmm", "aten::linear"), tags
+    assert tags["kernel.lm_head_calls_per_step"] == "1" and 0 < metrics["kernel_lm_head_share"] <= 1
 
 
 def test_dominant_linear_ignores_attention_and_compiled_regions():
@@ -133,6 +136,26 @@ def test_dominant_linear_ignores_attention_and_compiled_regions():
     got = dominant_linear(events, 4)
     assert got["kernel.linear"] == "aten::_weight_int8pack_mm" and got["kernel.linear_calls_per_step"] == "210"
     assert dominant_linear([("aten::add", 1.0, 1)], 1) == {"kernel.linear": "none found"}
+
+
+def test_output_projection_is_tagged_apart_from_the_body_kernel():
+    """The Zen 5 case: int kernels so fast that the one bf16 output-projection matmul (vocab 49152) takes
+    more self time than all the body's int8 matmuls together; `kernel.linear` must still name the body's."""
+    from harness.kernels import dominant_linear
+
+    vocab = 49152
+    events = [("aten::mm", 900.0, 4, [[1, 576], [576, vocab]]),               # output projection
+              ("aten::_weight_int8pack_mm", 500.0, 420, [[1, 576], [576, 576], [576]]),
+              ("aten::_weight_int8pack_mm", 300.0, 420, [[1, 576], [1536, 576], [1536]]),
+              ("aten::mm", 20.0, 8, [[1, 64], [64, 64]]),                      # a small body mm
+              ("aten::embedding", 50.0, 4, [[vocab, 576], [1, 1]])]
+    got = dominant_linear(events, 4, vocab)
+    assert got["kernel.linear"] == "aten::_weight_int8pack_mm", got   # rows of one op summed over shapes
+    assert got["kernel.linear_calls_per_step"] == "210" and got["kernel.linear_share"] == f"{800 / 1770:.0%}"
+    assert got["kernel.lm_head"] == "aten::mm" and got["kernel.lm_head_calls_per_step"] == "1"
+    assert abs(got["kernel_lm_head_share"] - 900 / 1770) < 1e-9
+    # without the vocabulary (or without shapes) every op competes, as before
+    assert dominant_linear([e[:3] for e in events], 4)["kernel.linear"] == "aten::mm"
 
 
 def test_alarm_fires_on_int8_slower_than_bf16_with_the_kernels_named(monkeypatch, tmp_path):
