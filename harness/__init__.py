@@ -12,12 +12,39 @@ VERBOSE_ENV = "QUANTBENCH_VERBOSE"  # set by -v; inherited by a sweep's cell pro
 LOG_ENV = "QUANTBENCH_LOG_FILE"  # the run's log file; run.py sets Hydra's job log (results/hydra/.../run.log)
 
 
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "mlflow.store.db.utils", "alembic.runtime.migration")
+
+
+class _RunLogHandler(logging.Handler):
+    """Appends records to the run's log file ($QUANTBENCH_LOG_FILE, read per record: it is set once Hydra
+    has made the run's folder, after the imports); without one they are dropped. Never the terminal."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR:  # a real error stays visible too
+            logging.getLogger().handle(record)
+        path = os.environ.get(LOG_ENV)
+        if not path:
+            return
+        try:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 - a log line must never fail a run
+            pass
+
+
 def quiet_third_party() -> None:
-    """Silence import-time noise that says nothing about the run (optional CUDA kernels of torchao on a
-    CPU machine, torch pytree deprecations)."""
-    for name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree", "mlflow.store.db.utils",
-                 "alembic.runtime.migration"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    """Send import-time noise that says nothing about the run to the run's log file instead of the terminal:
+    torchao's optional CUDA kernels missing on a CPU machine, torch's `_pytree` deprecation warnings about
+    torchao's enums (both printed when transformers first imports torchao), MLflow's schema migrations.
+    Call it before those imports; `-v` ($QUANTBENCH_VERBOSE) leaves them on the terminal."""
+    if verbose():
+        return
+    handler = _RunLogHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for name in NOISY_LOGGERS:
+        lib = logging.getLogger(name)
+        lib.handlers = [h for h in lib.handlers if not isinstance(h, _RunLogHandler)] + [handler]
+        lib.propagate = False  # not up to torch's or the root's console handlers
 
 
 def set_verbose() -> None:

@@ -42,41 +42,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.config import AccuracyConfig
+from harness.config import TASK_FIELDS, AccuracyConfig
+from harness.corpus import BUILTIN_CORPUS  # noqa: F401 - re-exported
+from harness.corpus import load as load_corpus
 from harness.errors import QuantbenchError
 from harness.measure import model_grad_mode
 
 log = logging.getLogger("quantbench")
 
-BUILTIN_CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 # 1: top-k + tail bucket, no metadata (before issue 17). 2: exact or top-k, the mode in the metadata.
 RECORD_FORMAT = "2"
 _ROWS = 128  # tokens per float64 chunk: 128 x 49152 x 8 B = 50 MB per temporary
-
-
-def load_corpus(spec: str) -> str:
-    """`builtin`, a local text file, or an HF datasets id `name[:config[:split]]`."""
-    if spec == "builtin":
-        return BUILTIN_CORPUS.read_text(encoding="utf-8")
-    path = Path(os.path.expanduser(spec))
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    if os.sep in spec or spec.endswith(".txt"):
-        raise QuantbenchError(f"accuracy.corpus={spec!r}: no such file; give a text file path or 'builtin'")
-    try:
-        import datasets  # optional: only for hub corpora
-    except ImportError as exc:
-        raise QuantbenchError(f"accuracy.corpus={spec!r} looks like an HF datasets id but 'datasets' is not "
-                              "installed; pip install datasets, or pass a local text file") from exc
-    name, _, rest = spec.partition(":")
-    config, _, split = rest.partition(":")
-    try:
-        ds = datasets.load_dataset(name, config or None, split=split or "test")
-    except Exception as exc:  # noqa: BLE001 - offline or unknown id
-        raise QuantbenchError(f"accuracy.corpus={spec!r} could not be loaded ({type(exc).__name__}); "
-                              "use a local text file where the hub is unreachable") from exc
-    column = "text" if "text" in ds.column_names else ds.column_names[0]
-    return "\n".join(ds[column])
 
 
 def corpus_tokens(tokenizer: Any, spec: str, max_tokens: int) -> list[int]:
@@ -361,7 +337,7 @@ def reference_key(model_identity: dict, cfg: AccuracyConfig) -> str:
     key = {
         "format": RECORD_FORMAT,
         "model": model_identity, "corpus": hashlib.sha256(corpus_text.encode()).hexdigest(),
-        "accuracy": {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "kl")},
+        "accuracy": {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "kl", *TASK_FIELDS)},
         "torch": torch.__version__, "transformers": transformers.__version__,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]

@@ -19,7 +19,8 @@ from harness.errors import QuantbenchError
 CONF = Path(__file__).resolve().parent.parent / "conf"
 HYDRA_RUN_FLAGS = ("-m", "--multirun")  # other Hydra flags (--help, --cfg, --info, -c ...) skip the precheck
 GROUPS = ("model", "quantizer", "strategy", "engine")
-KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+         "int | None": "an integer or null", "list[str]": "a list in brackets, e.g. '[a,b]'"}
 
 
 def _compose(overrides: list[str], hydra: bool = False) -> DictConfig:
@@ -122,7 +123,9 @@ def validate(overrides: list[str]) -> str | None:
     except Exception as exc:  # noqa: BLE001
         return compose_problem(exc, overrides)
     try:
-        build(cfg).model.preflight()
+        exp = build(cfg)
+        exp.model.preflight()  # a missing file, package or hub model (harness/hub.py)
+        exp.accuracy.preflight()  # a corpus that cannot be read: refused now, not after the timing
     except QuantbenchError as exc:
         return str(exc)
     return None
@@ -142,6 +145,10 @@ def summary_line(result) -> str:
         parts.append(f"ppl {m['perplexity']:.3f}")
     if "kl_div_mean" in m:
         parts.append(f"KL {m['kl_div_mean']:.4f} top1 {m['top1_agreement']:.3f}")
+    if "tasks_acc_mean" in m:  # harness/task_accuracy.py: per-task lines were logged as the tasks finished
+        parts.append(f"task acc {m['tasks_acc_mean']:.3f} ({m['tasks_acc_diff_mean']:+.3f} vs reference, "
+                     f"{m['tasks_acc_right_to_wrong']:.0f} right->wrong, {m['tasks_acc_wrong_to_right']:.0f} "
+                     f"wrong->right, McNemar p {m['tasks_acc_mcnemar_p']:.3g})")
     return f"[OK] {result.run_name}: " + ", ".join(parts)
 
 
@@ -152,8 +159,14 @@ def run_one(cfg: DictConfig) -> int:
     try:
         exp = build(cfg)  # every config problem, at once, before anything heavy
         exp.model.preflight()
+        exp.accuracy.preflight()
     except QuantbenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from harness import memory
+
+    if (too_big := memory.refusal(exp)):  # the estimated peak exceeds free memory: refused before loading
+        print(f"error: {too_big}", file=sys.stderr)
         return 2
     result = runner.run(cfg)
     path = tracking.record(result, exp.tracking)
@@ -163,4 +176,6 @@ def run_one(cfg: DictConfig) -> int:
     where = exp.tracking.resolved_uri() if exp.tracking.enabled else "(MLflow disabled)"
     log = f"  log: {result.tags['log_file']}" if result.tags.get("log_file") else ""
     print(f"result: {path}  mlflow: {where} run {result.mlflow_run_id or '-'}{log}")
+    if result.status == "SKIPPED":  # exit 1 like a failure: a CI job must not pass having measured nothing
+        print(f"nothing ran: the run was SKIPPED ({result.error}); exit 1", file=sys.stderr)
     return 0 if result.status == "OK" else 1

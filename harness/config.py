@@ -15,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from harness import corpus
 from harness.errors import ConfigError, QuantbenchError, one_of
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -127,6 +129,13 @@ class AccuracyConfig(_Validated):
     # which tokens of a window are scored: "all" (each token once, the transformers recipe) or
     # "second_half" (llama-perplexity's rule: non-overlapping chunks, only the second half of each)
     scoring: str = "all"
+    # task accuracy (harness/task_accuracy.py): BIG-bench multiple-choice tasks scored through lm-eval on the run's
+    # model, paired with the reference; [default] = harness.tasks.DEFAULT_TASKS; empty = no task pass
+    tasks: list[str] = field(default_factory=list)
+    task_limit: int | None = None  # examples per task: a seeded subset of this many (null = every example)
+    num_fewshot: int = 0  # solved examples of the same task before each question
+    task_seed: int = 0  # seeds the subset and the few-shot draws
+    task_batch_size: int = 8  # requests per forward pass (lm-eval's batch_size)
 
     _section = "accuracy"
 
@@ -142,16 +151,39 @@ class AccuracyConfig(_Validated):
             p.append(err)
         if (err := one_of("accuracy.kl_reference", self.kl_reference, ("exact", "topk"))):
             p.append(err)
-        corpus = os.path.expanduser(str(self.corpus))
-        if (os.sep in corpus or corpus.endswith(".txt")) and not os.path.isfile(corpus):  # not after the model loads
-            p.append(f"accuracy.corpus={self.corpus!r}: no such file; give a text file, 'builtin', or an HF "
-                     "datasets id name[:config[:split]]")
+        if (err := corpus.file_problem("accuracy.corpus", str(self.corpus))):  # not after the model loads
+            p.append(err)
+        p.extend(self._task_problems())
         if (err := one_of("accuracy.scoring", self.scoring, ("all", "second_half"))):
             p.append(err)
         elif self.scoring == "second_half" and self.stride != self.context_length:
             p.append("accuracy.scoring=second_half scores non-overlapping chunks: set accuracy.stride equal to "
                      "accuracy.context_length")
         return p
+
+    def preflight(self) -> None:
+        """A dataset id that is neither in the local cache nor on a reachable hub fails here, not after the
+        timing (harness/corpus.py). Not in `problems()`: it may ask the network."""
+        if self.enabled:
+            corpus.check(str(self.corpus), "accuracy.corpus")
+
+    def _task_problems(self) -> list[str]:
+        p: list[str] = []
+        if self.task_limit is not None and (not isinstance(self.task_limit, int) or self.task_limit <= 0):
+            p.append(f"accuracy.task_limit={self.task_limit!r} must be > 0 (or null: every example)")
+        _positive(p, "accuracy.num_fewshot", self.num_fewshot, allow_zero=True)
+        _positive(p, "accuracy.task_batch_size", self.task_batch_size)
+        if self.enabled and self.tasks:  # the task files' index, read now: not after the model loads
+            from harness import task_accuracy, tasks
+
+            if not task_accuracy.installed():
+                p.append(task_accuracy.INSTALL_HINT)
+            p.extend(tasks.problems(list(self.tasks)))
+        return p
+
+
+# accuracy settings that only the task pass reads (the KL reference record is not keyed by them)
+TASK_FIELDS = ("tasks", "task_limit", "num_fewshot", "task_seed", "task_batch_size")
 
 
 @dataclass
@@ -228,26 +260,50 @@ class Experiment:
 TARGET_PACKAGES = ("quantizers", "strategies", "harness")
 
 
+def _module_parts(parts: list[str]) -> int | None:
+    """How many leading `parts` name a module of our packages, found on disk without importing anything
+    (a package's `__init__` or a module's top level may run code; `__main__` runs a CLI). None: not ours."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(parts[0])  # a top-level name: located, not imported
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder, n = Path(next(iter(spec.submodule_search_locations))), 1
+    for part in parts[1:-1]:  # the last part is always the class (or an attribute of it)
+        if (folder / part / "__init__.py").is_file():
+            folder, n = folder / part, n + 1
+        elif (folder / f"{part}.py").is_file():
+            return n + 1
+        else:
+            break
+    return n
+
+
 def target_problem(where: str, target: Any) -> str | None:
-    """Why `target` may not be instantiated (None when it names a class defined in TARGET_PACKAGES)."""
+    """Why `target` may not be instantiated (None when it names a class defined in TARGET_PACKAGES).
+
+    The dotted path is checked before anything is imported: only public names (no `_x`, no `__main__`,
+    whose import runs a command line), in an allowed package, down to an existing module file; then only
+    that module is imported and the rest must lead to a class defined in the allowed packages.
+    """
     import importlib
     import inspect
 
     rule = (f"{where}={target!r} is not allowed: a _target_ must name a class in this project's packages "
             f"({', '.join(p + '.' for p in TARGET_PACKAGES)})")
     parts = str(target).split(".") if isinstance(target, str) else []
-    if len(parts) < 2 or parts[0] not in TARGET_PACKAGES or not all(p.isidentifier() for p in parts):
+    if (len(parts) < 2 or parts[0] not in TARGET_PACKAGES or not all(p.isidentifier() for p in parts)
+            or any(p.startswith("_") for p in parts)):
         return rule
-    obj, i = None, len(parts)
-    while i > 1 and obj is None:  # the longest importable module prefix, then attributes
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ModuleNotFoundError as exc:
-            if not exc.name or not (".".join(parts[:i]) + ".").startswith(exc.name + "."):
-                # not the path itself: one of our modules imports something that is missing
-                return f"{where}={target!r} could not be imported: {exc}"
-            i -= 1
-    for name in parts[i:]:
+    n = _module_parts(parts)
+    if n is None:
+        return rule
+    module = ".".join(parts[:n])
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as exc:  # one of our modules imports something that is missing
+        return f"{where}={target!r} could not be imported: {exc}"
+    for name in parts[n:]:
         obj = getattr(obj, name, None)
     if not inspect.isclass(obj) or str(obj.__module__).split(".")[0] not in TARGET_PACKAGES:
         return rule  # a function, a module, or a class re-exported from elsewhere (harness.config.os.system)
@@ -298,6 +354,8 @@ def _instantiate(section: str, node: Any, problems: list[str]) -> Any:
 def _fields_of(target: str) -> list[str]:
     import importlib
 
+    if target_problem("_target_", target):  # never import what the allow-list refuses, not even for a message
+        return []
     mod, _, name = target.rpartition(".")
     try:
         cls = getattr(importlib.import_module(mod), name)

@@ -13,6 +13,7 @@ from typing import Any
 
 from harness import measure, run_log, third_party_output
 from harness.config import Experiment
+from harness.energy import EnergyMeter
 from harness.workloads import encode_prompts  # noqa: F401 - re-exported (gate, benchmarks, tests)
 
 log = logging.getLogger("quantbench")
@@ -43,6 +44,12 @@ class TransformersEngine:
 
         fast_path.preflight(exp, device)  # compile=true with a non-compilable quantizer fails here, before loading
 
+    def memory_estimate(self, exp: Experiment, device: str) -> Any:
+        """The peak this run needs, before anything loads (harness/memory.py)."""
+        from harness import memory
+
+        return memory.transformers_estimate(exp, device)
+
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
         """The workload against the model and strategy (harness/workloads.py), at config time."""
         from harness import workloads
@@ -67,6 +74,13 @@ class TransformersEngine:
             reference, hit = acc.ensure_reference(exp.model, tokenizer, exp.accuracy, device)
             tags["reference_cache"] = "hit" if hit else "miss"
             metrics["reference_perplexity"] = float(reference["perplexity"][0])
+            gc.collect()
+        task_plan = None
+        if exp.accuracy.enabled and exp.accuracy.tasks:  # the reference's task answers, cached (task_accuracy.py)
+            from harness import task_accuracy
+
+            with third_party_output(run_log(exp.tracking.results_dir)):
+                task_plan = task_accuracy.prepare(exp.model, tokenizer, exp.accuracy, device)
             gc.collect()
 
         tags["peak_mem_reset"] = str(measure.reset_peak_memory(device))
@@ -107,15 +121,19 @@ class TransformersEngine:
                 for batch in batches:
                     exp.strategy.generate(model, batch, opts_for(batch))
             gens = []
+            meter = EnergyMeter(device)  # NVML on CUDA, RAPL on CPU where readable (harness/energy.py)
+            meter.start()
             with fast.timing() if fast else contextlib.nullcontext():  # a recompile here fails the run
                 for _ in range(m.repetitions):
                     for batch in batches:
                         gens.append(exp.strategy.generate(model, batch, opts_for(batch)))
+            joules = meter.stop()
             if fast:
                 metrics["compile_s"] = fast.compile_s
                 metrics.update(fast_path.check_match(exp.strategy, model, batches, opts, gens, m.compile_match))
                 tags["measure.compile_match"] = m.compile_match
             metrics.update(measure.summarize(gens))
+            meter.record(joules, metrics["generated_tokens"], metrics, tags)
             metrics.update(workloads.metrics(wl, gens, model.config, metrics.get("params")))
             tags.update(workloads.record(wl))
             metrics.update(exp.strategy.metrics(gens))
@@ -123,7 +141,8 @@ class TransformersEngine:
             if m.kernel_profile:  # which linear kernel really ran (tag kernel.linear), outside the timing
                 from harness import kernels
 
-                ktags, kmetrics = kernels.profile_linear(exp.strategy, model, batches[0], opts_for(batches[0]))
+                with third_party_output(log_file):  # kineto prints USDT profiler_start/stop lines from C++
+                    ktags, kmetrics = kernels.profile_linear(exp.strategy, model, batches[0], opts_for(batches[0]))
                 tags.update(ktags)
                 metrics.update(kmetrics)
         finally:
@@ -149,6 +168,12 @@ class TransformersEngine:
             ids = acc.corpus_tokens(tokenizer, exp.accuracy.corpus, exp.accuracy.max_tokens)
             scores = acc.score(model, ids, exp.accuracy, device, reference=reference, progress=True)
             metrics.update({k: v for k, v in scores.items() if k != "record"})
+        if task_plan is not None:  # lm-eval on this model object: the quantized model is not reloaded
+            with third_party_output(log_file):
+                lm = task_accuracy.hf_lm(model, tokenizer, exp.accuracy.task_batch_size)
+                task_metrics, task_tags = task_accuracy.score(lm, task_plan, exp.accuracy)
+            metrics.update(task_metrics)
+            tags.update(task_tags)
         del model
         gc.collect()
         return Outcome(metrics=metrics, tags=tags, samples=samples)

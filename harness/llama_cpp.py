@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import measure
+from harness import measure, run_log, third_party_output
 from harness.config import Experiment
+from harness.energy import EnergyMeter
 from harness.engines import Outcome, encode_prompts  # noqa: F401 - encode_prompts re-exported (tests)
 from harness.errors import ConfigError, QuantbenchError, one_of
 
@@ -48,15 +49,24 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def convert(src: Path, fmt: str, threads: int) -> Path:
-    """The GGUF in llama.cpp format `fmt`, converted once and cached (atomic rename)."""
+def converted_path(src: Path, fmt: str) -> Path:
+    """Where `convert` caches `src` in format `fmt` (the source file itself for gguf)."""
     if FORMATS[fmt] is None:
         return src
     import llama_cpp
 
     from harness.models import _file_key, cache_root, short_hash
 
-    out = cache_root() / "gguf" / f"{src.stem}-{fmt}-{short_hash(_file_key(src), llama_cpp.__version__)}.gguf"
+    return cache_root() / "gguf" / f"{src.stem}-{fmt}-{short_hash(_file_key(src), llama_cpp.__version__)}.gguf"
+
+
+def convert(src: Path, fmt: str, threads: int) -> Path:
+    """The GGUF in llama.cpp format `fmt`, converted once and cached (atomic rename)."""
+    if FORMATS[fmt] is None:
+        return src
+    import llama_cpp
+
+    out = converted_path(src, fmt)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -133,8 +143,25 @@ class LlamaCppEngine:
                                   "use measure.device=cpu")
         exp.model.preflight()
         path = exp.model.gguf_path
-        if path is None or not Path(path).is_file():
+        if path is None or not (Path(path).is_file() or exp.model.builds_gguf):  # random weights: written at load
             raise QuantbenchError(f"engine=llama_cpp: GGUF file {path} not found")
+
+    def memory_estimate(self, exp: Experiment, device: str) -> Any:
+        """The peak this run needs (harness/memory.py): the format's file, the KV cache of n_ctx, buffers."""
+        from harness import memory
+
+        src = Path(exp.model.gguf_path)
+        converted = converted_path(src, self.format) if src.is_file() else None
+        n_ctx, n_batch = self._context(exp)
+        return memory.llama_cpp_estimate(exp, self.format, converted, n_ctx, n_batch)
+
+    def _context(self, exp: Experiment) -> tuple[int, int]:
+        """(n_ctx, n_batch) before the tokenizer runs: synthetic lengths are exact, text prompts bounded."""
+        from harness.memory import context_positions
+
+        m, acc = exp.measure, exp.accuracy
+        n_ctx = max(context_positions(m), acc.context_length if acc.enabled else 0)
+        return n_ctx, max(self.n_batch, acc.context_length if acc.enabled else 0)
 
     def execute(self, exp: Experiment, device: str) -> Outcome:
         import llama_cpp
@@ -156,15 +183,36 @@ class LlamaCppEngine:
         need = depth + max(len(p) + lim for p, lim in zip(prompts, wl.limits, strict=True))
         if exp.accuracy.enabled:
             need = max(need, exp.accuracy.context_length)
+        task_plan = None
+        if exp.accuracy.enabled and exp.accuracy.tasks:  # the reference's answers (transformers, fp32), cached
+            from harness import task_accuracy
+
+            with third_party_output(run_log(exp.tracking.results_dir)):
+                task_plan = task_accuracy.prepare(exp.model, tokenizer, exp.accuracy, device)
+            gc.collect()
 
         tags["peak_mem_reset"] = str(measure.reset_peak_memory(device))
+        log_file = run_log(exp.tracking.results_dir)  # llama.cpp's quantizer lists every tensor: to the log file
         t0 = measure.now()
-        gguf = convert(Path(exp.model.gguf_path), self.format, threads)
+        src = Path(exp.model.gguf_path)
+        if not src.is_file():  # random weights: the float GGUF is written once per preset and seed (cached)
+            exp.model.make_gguf()
+            metrics["gguf_write_s"] = measure.now() - t0
+        fresh = not converted_path(src, self.format).is_file() and FORMATS[self.format] is not None
+        tags["gguf_cache"] = "miss" if fresh or "gguf_write_s" in metrics else "hit"
+        t1 = measure.now()
+        with third_party_output(log_file):
+            gguf = convert(src, self.format, threads)
+        if fresh:
+            metrics["quantize_s"] = measure.now() - t1  # llama.cpp's own quantizer (llama_model_quantize)
+        tags["engine.format"] = self.format
         n_batch = max(self.n_batch, exp.accuracy.context_length if exp.accuracy.enabled else 0)
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=need, n_batch=n_batch, n_ubatch=n_batch,
                               n_threads=threads, n_threads_batch=threads, logits_all=False, seed=m.seed,
                               verbose=False)
         metrics["load_s"] = measure.now() - t0
+        if log_file.exists():
+            tags["log_file"] = str(log_file)
         try:
             n_vocab = llm.n_vocab()
             if max(max(p) for p in prompts + [wl.context or [0]]) >= n_vocab:
@@ -212,8 +260,12 @@ class LlamaCppEngine:
             for _ in range(m.warmup):
                 for p, lim in pairs:
                     generate(p, lim)
+            meter = EnergyMeter(device)  # RAPL where readable (harness/energy.py)
+            meter.start()
             gens = [generate(p, lim) for _ in range(m.repetitions) for p, lim in pairs]
+            joules = meter.stop()
             metrics.update(measure.summarize(gens))
+            meter.record(joules, metrics["generated_tokens"], metrics, tags)
             metrics.update(workloads.metrics(wl, gens))
             tags.update(workloads.record(wl))
             metrics["batch_size"] = 1.0
@@ -238,6 +290,14 @@ class LlamaCppEngine:
         finally:
             llm.close()  # frees the context and the model now, not whenever the GC runs
             gc.collect()
+        if task_plan is not None:  # the same examples and token ids as engine=transformers (harness/llama_cpp_lm.py)
+            from harness.llama_cpp_lm import LlamaCppLM  # lm-eval: imported only when tasks are scored
+
+            with third_party_output(log_file):
+                task_metrics, task_tags = task_accuracy.score(LlamaCppLM(gguf, tokenizer, threads), task_plan,
+                                                              exp.accuracy)
+            metrics.update(task_metrics)
+            tags.update(task_tags)
         return Outcome(metrics=metrics, tags=tags, samples=samples)
 
 

@@ -8,6 +8,8 @@ transformers' `quantization_config` work the same for every source:
 - `GGUFFile`: any local GGUF path.
 - `HFModel`: a hub id or local directory; safetensors only, remote code never trusted.
 - `TinyRandom`: a tiny Llama built from a config with a fixed seed (tests; no file, no network).
+- `harness.random_model.RandomModel`: published 1B-8B shapes with seeded random weights, built in memory
+  layer by layer (`load_in_memory`), no tokenizer (`tokenizer()`), its own GGUF for llama.cpp (`make_gguf`).
 
 GGUF files are dequantized by transformers on load (~17 s for SmolLM2); the float copy is cached as
 safetensors under the cache root (`$QUANTBENCH_CACHE`, default ~/.cache/quantbench) so later loads take
@@ -102,6 +104,24 @@ class ModelSource:
     def gguf_path(self) -> Path | None:
         """The GGUF file behind this model, for engines that read GGUF directly (llama.cpp)."""
         return None
+
+    builds_gguf = False  # True: `make_gguf` writes the file at `gguf_path` (random weights), it need not exist yet
+
+    def make_gguf(self) -> Path | None:
+        """The GGUF file llama.cpp reads, written first by a source that builds one (`builds_gguf`)."""
+        return self.gguf_path
+
+    def tokenizer(self) -> Any:
+        """A tokenizer the source makes itself; None: read it from `local_dir()` (load_tokenizer)."""
+        return None
+
+    def load_in_memory(self, dtype: str, device: str, **kwargs: Any) -> Any:
+        """The model built in memory (random weights); None: load it from `local_dir()` (load_pretrained)."""
+        return None
+
+    def tags(self) -> dict[str, str]:
+        """Tags of this source recorded on every run (e.g. model.arch, weights=random)."""
+        return {}
 
 
 def _convert_gguf(gguf: Path) -> Path:
@@ -229,6 +249,20 @@ class HFModel(ModelSource):
             if not any(local.glob("*.safetensors")):
                 raise QuantbenchError(f"model.name_or_path={self.name_or_path!r} has no *.safetensors file; "
                                       "quantbench never unpickles .bin checkpoints: convert it to safetensors")
+            return
+        # a hub id: in the local cache, or the hub must answer for it (else the tokenizer load fails later)
+        from harness import hub
+
+        if hub.cached_snapshot(self.name_or_path, "model", self.revision) is not None:
+            return
+        answer = hub.probe(self.name_or_path, "model", self.revision)
+        if answer == "missing":
+            raise QuantbenchError(f"model.name_or_path={self.name_or_path!r}: the hub has no such model (revision "
+                                  f"{self.revision!r}), or it is gated; check the id, or pass a local directory")
+        if answer != "ok":
+            raise QuantbenchError(f"model.name_or_path={self.name_or_path!r} is not in the local HF cache "
+                                  f"({hub.hub_cache()}) and the hub is unreachable ({answer.split(': ', 1)[-1]}); "
+                                  "download it where the hub is reachable and pass the local directory")
 
     def local_dir(self) -> Path:
         self.preflight()
@@ -329,6 +363,9 @@ class TinyRandom(ModelSource):
 
 
 def load_tokenizer(source: ModelSource):
+    own = source.tokenizer()
+    if own is not None:
+        return own
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(source.local_dir()), trust_remote_code=False)
@@ -338,7 +375,11 @@ def load_tokenizer(source: ModelSource):
 
 
 def load_pretrained(source: ModelSource, dtype: str, device: str, **kwargs: Any):
-    """Load weights from the source's safetensors directory (quantizers pass `quantization_config`)."""
+    """Load weights from the source's safetensors directory (quantizers pass `quantization_config`), or build
+    them in memory where the source does (`load_in_memory`: random weights, quantized layer by layer)."""
+    built = source.load_in_memory(dtype, device, **kwargs)
+    if built is not None:
+        return built.eval()
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(

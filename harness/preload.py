@@ -16,10 +16,14 @@ import contextlib
 import importlib
 import logging
 
+from harness import quiet_third_party
+
+quiet_third_party()  # before the imports: naming transformers' model classes imports torchao, which is noisy
+
 # transformers imports its model classes lazily: naming them here is what loads them
-import torch  # noqa: F401
-import transformers  # noqa: F401
-from transformers import (  # noqa: F401
+import torch  # noqa: F401, E402
+import transformers  # noqa: F401, E402
+from transformers import (  # noqa: F401, E402
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
@@ -28,20 +32,18 @@ from transformers import (  # noqa: F401
     StaticCache,
 )
 
-import harness.accuracy  # noqa: F401
-import harness.engines  # noqa: F401
-import harness.fast_path  # noqa: F401
-import harness.models  # noqa: F401
-import harness.roofline  # noqa: F401
-import harness.runner  # noqa: F401
-import harness.workloads  # noqa: F401
-import quantizers.auto  # noqa: F401
-import quantizers.dtype  # noqa: F401
-import strategies.greedy  # noqa: F401
-import strategies.static_batch  # noqa: F401
-from harness import quiet_third_party
+import harness.accuracy  # noqa: F401, E402
+import harness.engines  # noqa: F401, E402
+import harness.fast_path  # noqa: F401, E402
+import harness.models  # noqa: F401, E402
+import harness.roofline  # noqa: F401, E402
+import harness.runner  # noqa: F401, E402
+import harness.workloads  # noqa: F401, E402
+import quantizers.auto  # noqa: F401, E402
+import quantizers.dtype  # noqa: F401, E402
+import strategies.greedy  # noqa: F401, E402
+import strategies.static_batch  # noqa: F401, E402
 
-quiet_third_party()
 OPTIONAL = ("torchao", "torchao.quantization", "safetensors.torch", "tokenizers", "jinja2", "hydra.utils")
 for _name in OPTIONAL:
     with contextlib.suppress(Exception):  # a broken optional backend is the cell's to report, not the server's

@@ -31,6 +31,17 @@ EXTRA_COLUMNS: list[tuple[str, str, str]] = [
     ("roofline_tokens_per_s", "bound tok/s", "{:.0f}"),
     ("speedup_vs_greedy", "× greedy", "{:.2f}"),
     ("acceptance_rate", "accept", "{:.2f}"),
+    ("energy_j_per_token", "J/token", "{:.3f}"),
+]
+
+
+# task accuracy (harness/task_accuracy.py) beside perplexity and KL, shown when some cell scored tasks
+TASK_COLUMNS: list[tuple[str, str, str]] = [
+    ("tasks_acc_mean", "task acc", "{:.3f}"),
+    ("tasks_acc_diff_mean", "Δ task acc", "{:+.3f}"),
+    ("tasks_acc_right_to_wrong", "flips ✓→✗", "{:.0f}"),
+    ("tasks_acc_wrong_to_right", "flips ✗→✓", "{:.0f}"),
+    ("tasks_acc_mcnemar_p", "McNemar p", "{:.2g}"),
 ]
 
 
@@ -114,6 +125,8 @@ def _machine_line(rows: list[dict]) -> list[str]:
 
 def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
     extras = [(k, h, f) for k, h, f in EXTRA_COLUMNS if any(_num(r["metrics"], k) is not None for r in rows)]
+    if any(_num(r["metrics"], TASK_COLUMNS[0][0]) is not None for r in rows):
+        extras = TASK_COLUMNS + extras
     head = ["cell", "quantizer", "strategy", "batch", "decode tok/s (p10–p90)", f"× {baseline}", "TTFT ms",
             "weight MB", "perplexity", "KL", "top-1", *[h for _, h, _ in extras], "status"]
     lines = [f"# {title}", "",
@@ -225,11 +238,13 @@ def write_report(folder: Path, cells: list[dict], baseline: str = "none", title:
     folder.mkdir(parents=True, exist_ok=True)
     rows = rows_for(cells, baseline)
     md = folder / "report.md"
-    from harness import crossover
+    from harness import crossover, scaling, task_accuracy
 
-    md.write_text(markdown(rows, baseline, title) + bench_table(rows) + crossover.section(rows, baseline))
+    md.write_text(markdown(rows, baseline, title) + task_accuracy.section(rows) + bench_table(rows)
+                  + crossover.section(rows, baseline) + scaling.section(rows))
     paths = [md, plot(rows, folder / "report.png", title)]
     paths += crossover.write(folder, rows, baseline, title)  # cells varying batch size / context depth
+    paths += scaling.write(folder, rows, title)  # cells spanning model sizes (harness/scaling.py)
     bound = [{"label": r["cell"], "decode_tokens_per_s": _num(r["metrics"], "decode_tokens_per_s"),
               "roofline_tokens_per_s": _num(r["metrics"], "roofline_tokens_per_s")}
              for r in rows if r["status"] == "OK" and _num(r["metrics"], "roofline_tokens_per_s")]

@@ -18,7 +18,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness import env, measure
+from harness import env, measure, memory
 from harness.config import Experiment, build
 from harness.errors import QuantbenchError, Unsupported
 
@@ -75,10 +75,13 @@ def execute(exp: Experiment) -> Result:
     m = exp.measure
     device = measure.resolve_device(m.device)
     exp.engine.preflight(exp, device)  # cheap checks: files, libraries, device support
+    exp.accuracy.preflight()  # the corpus is read after the timing: check now that it can be
+    estimate = memory.check(exp, device)  # the peak it will need vs what is free: DoesNotFit before loading
     threads = measure.set_threads(m.threads)
     torch.manual_seed(m.seed)
     outcome = exp.engine.execute(exp, device)
-    tags = {**env.machine_tags(device, threads), **outcome.tags}
+    outcome.metrics.update(memory.metrics(estimate))  # mem_estimate_mb beside the measured peak_mem_mb
+    tags = {**env.machine_tags(device, threads), **exp.model.tags(), **outcome.tags}
     tags.update({"quantizer.backend": getattr(exp.quantizer, "backend", ""), "quantizer.name": exp.quantizer.name,
                  "strategy.name": exp.strategy.name, "model.name": exp.model.name, "engine": exp.engine.name,
                  "measure.cache": m.cache, "measure.compile": str(m.compile).lower(),

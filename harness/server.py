@@ -1,15 +1,22 @@
 """A shared MLflow tracking server on 127.0.0.1, backed by PostgreSQL, with a local artifact root.
 
     python -m harness.server --postgres-dir results/postgres            # a local PostgreSQL too
-    python -m harness.server --backend-store-uri postgresql://user:pw@dbhost:5432/mlflow
+    python -m harness.server --backend-store-uri postgresql://user@dbhost:5432/mlflow   # password: ~/.pgpass
 
 then point runs at it: `python run.py ... tracking.uri=http://127.0.0.1:5000`. The server proxies
 artifacts (--serve-artifacts), so clients need no access to the artifact folder.
 
 Why PostgreSQL rather than the default SQLite file: many sweeps on many machines write at once, and a
 database server handles concurrent writers (SQLite serializes them behind one lock, and its file lock
-is unreliable on network filesystems). `--postgres-dir` starts a throwaway single-user cluster (trust
-authentication on 127.0.0.1 only) for one box or for tests; a team uses a managed PostgreSQL.
+is unreliable on network filesystems). `--postgres-dir` starts a single-user cluster on 127.0.0.1 for one
+box or for tests; a team uses a managed PostgreSQL.
+
+Secrets: the cluster asks for a password (scram-sha-256 on every pg_hba.conf line). Trust auth would make
+every local user its superuser, able to run shell commands as the cluster's system user through
+`COPY ... PROGRAM`. The password is generated at initdb and kept in `<postgres-dir>/quantbench.pgpass`
+(libpq's pgpass format, mode 0600); clients (psql, the MLflow server) find it through PGPASSFILE, so the
+database URI carries no password. A URI is never put on a command line, where `ps` shows it to every
+user: the MLflow server gets it as MLFLOW_BACKEND_STORE_URI, and printed URIs have their password masked.
 
 PostgreSQL refuses to run as root: as root, the cluster runs as the `postgres` system user that
 Debian's package creates (`runuser`).
@@ -22,12 +29,16 @@ import contextlib
 import glob
 import os
 import pwd
+import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +47,8 @@ from pathlib import Path
 from harness.errors import QuantbenchError
 
 PG_USER = "quantbench"  # the cluster's superuser (a role name, not a system user)
+PASSWORD_FILE = "quantbench.pgpass"  # in the data dir: `127.0.0.1:*:*:quantbench:<password>`, mode 0600
+URI_ENV = "MLFLOW_BACKEND_STORE_URI"  # `mlflow server` reads its --backend-store-uri from here too
 
 
 def free_port() -> int:
@@ -80,7 +93,16 @@ class Postgres:
     user: str | None = None  # system user it runs as (None: this process's user)
 
     def uri(self, database: str = "mlflow") -> str:
+        """No password in it: clients read it from `password_file` (`client_env`)."""
         return f"postgresql+psycopg2://{PG_USER}@127.0.0.1:{self.port}/{database}"
+
+    @property
+    def password_file(self) -> Path:
+        return self.data_dir / PASSWORD_FILE
+
+    def client_env(self) -> dict[str, str]:
+        """What a libpq client (psql, psycopg2 under MLflow) needs to log in: the password file's path."""
+        return {"PGPASSFILE": str(self.password_file)}
 
     def start(self, database: str = "mlflow") -> Postgres:
         self.user = _run_as()
@@ -89,29 +111,84 @@ class Postgres:
             pw = pwd.getpwnam(self.user)
             os.chown(self.data_dir, pw.pw_uid, pw.pw_gid)
         os.chmod(self.data_dir, 0o700)
+        trust_cluster = False
         if not (self.data_dir / "PG_VERSION").exists():
-            self._check([pg_bin("initdb"), "-D", str(self.data_dir), "-U", PG_USER, "--auth=trust",
-                         "-E", "UTF8", "--no-instructions"], "initdb")
+            password = secrets.token_urlsafe(32)
+            with self._secret_for_initdb(password) as pwfile:
+                self._check([pg_bin("initdb"), "-D", str(self.data_dir), "-U", PG_USER, "--auth=scram-sha-256",
+                             f"--pwfile={pwfile}", "-E", "UTF8", "--no-instructions"], "initdb")
+            self._write_password(password)
+        elif not self.password_file.exists():
+            trust_cluster = True  # made by an older quantbench with --auth=trust: locked below, data kept
         # listen on loopback only; the socket lives in the data dir (no /var/run/postgresql needed)
         opts = f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.data_dir}"
         self._check([pg_bin("pg_ctl"), "-D", str(self.data_dir), "-l", str(self.data_dir / "server.log"),
                      "-o", opts, "-w", "-t", "60", "start"], "pg_ctl start")
-        exists = subprocess.run([pg_bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", PG_USER,
+        if trust_cluster:
+            self._lock_trust_cluster()
+        env = {**os.environ, **self.client_env()}
+        exists = subprocess.run([pg_bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", PG_USER, "-w",
                                  "-d", "postgres", "-tAc", f"SELECT 1 FROM pg_database WHERE datname='{database}'"],
-                                capture_output=True, text=True, check=False)
+                                capture_output=True, text=True, check=False, env=env)
         if exists.stdout.strip() != "1":
-            self._check([pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", PG_USER, database],
-                        "createdb", as_user=False)
+            self._check([pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", PG_USER, "-w", database],
+                        "createdb", as_user=False, env=env)
         return self
+
+    @contextlib.contextmanager
+    def _secret_for_initdb(self, password: str) -> Iterator[Path]:
+        """initdb reads the superuser's password from a file (never argv); a private temporary one, readable
+        by the system user initdb runs as, deleted right after."""
+        folder = Path(tempfile.mkdtemp(prefix="qb-initdb-"))
+        path = folder / "pw"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(password + "\n")
+            if self.user:
+                pw = pwd.getpwnam(self.user)
+                for p in (folder, path):
+                    os.chown(p, pw.pw_uid, pw.pw_gid)
+            yield path
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _write_password(self, password: str) -> None:
+        """The password in libpq's pgpass format, created 0600 (never readable by anyone else, not even
+        for a moment), owned by this process's user: the one whose clients connect."""
+        tmp = self.password_file.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"127.0.0.1:*:*:{PG_USER}:{password}\n")
+        os.replace(tmp, self.password_file)
+
+    def _lock_trust_cluster(self) -> None:
+        """Give a trust-auth cluster a password and switch every pg_hba.conf line to scram-sha-256."""
+        password = secrets.token_urlsafe(32)
+        # the statement goes through stdin: a password in `psql -c` would be on the command line
+        sql = f"SET password_encryption = 'scram-sha-256'; ALTER ROLE {PG_USER} PASSWORD '{password}';\n"
+        proc = subprocess.run([pg_bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", PG_USER, "-w",
+                               "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-q", "-f", "-"],
+                              input=sql, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise QuantbenchError(f"could not set a password on the trust-auth cluster in {self.data_dir}: "
+                                  f"{proc.stderr.strip()[-300:]}; delete the folder to start a new cluster")
+        self._write_password(password)
+        hba = self.data_dir / "pg_hba.conf"
+        lines = [re.sub(r"\btrust\s*$", "scram-sha-256", ln) if ln.strip() and not ln.lstrip().startswith("#")
+                 else ln for ln in hba.read_text().splitlines()]
+        hba.write_text("\n".join(lines) + "\n")
+        self._check([pg_bin("pg_ctl"), "-D", str(self.data_dir), "reload"], "pg_ctl reload")
 
     def stop(self) -> None:
         if (self.data_dir / "postmaster.pid").exists():
             subprocess.run(_cmd([pg_bin("pg_ctl"), "-D", str(self.data_dir), "-m", "fast", "-w", "-t", "30",
                                  "stop"], self.user), capture_output=True, check=False)
 
-    def _check(self, args: list[str], what: str, as_user: bool = True) -> None:
+    def _check(self, args: list[str], what: str, as_user: bool = True, env: dict | None = None) -> None:
         proc = subprocess.run(_cmd(args, self.user if as_user else None), capture_output=True, text=True,
-                              check=False)
+                              check=False, env=env)
         if proc.returncode != 0:
             log = self.data_dir / "server.log"
             tail = log.read_text()[-1500:] if log.exists() and os.access(log, os.R_OK) else ""
@@ -129,11 +206,28 @@ def backend_uri_for(uri: str) -> str:
     return uri
 
 
-def mlflow_command(backend_uri: str, artifacts_dir: Path, port: int, workers: int = 2) -> list[str]:
-    """The `mlflow server` command line: loopback only, artifacts proxied from a local folder."""
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_uri_for(backend_uri),
-            "--artifacts-destination", str(Path(artifacts_dir).resolve()), "--serve-artifacts",
-            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
+def redact(uri: str) -> str:
+    """`uri` with its password masked, for anything printed or logged."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def mlflow_launch(backend_uri: str, artifacts_dir: Path, port: int, workers: int = 2,
+                  client_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The `mlflow server` command line and environment: loopback only, artifacts proxied from a local folder.
+
+    The backend URI travels in the environment (MLflow reads MLFLOW_BACKEND_STORE_URI for
+    --backend-store-uri), which only the process's own user can read; a command line any user can.
+    """
+    cmd = [sys.executable, "-m", "mlflow", "server", "--artifacts-destination", str(Path(artifacts_dir).resolve()),
+           "--serve-artifacts", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
+    # job execution (GenAI evaluation jobs) spawns ~6 extra worker processes; tracking needs none
+    env = {**os.environ, **(client_env or {}), URI_ENV: backend_uri_for(backend_uri),
+           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    return cmd, env
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> None:
@@ -160,6 +254,7 @@ class MlflowServer:
     log_path: Path
     workers: int = 2
     proc: subprocess.Popen | None = None
+    client_env: dict[str, str] | None = None  # e.g. PGPASSFILE of a local cluster
 
     @property
     def url(self) -> str:
@@ -170,11 +265,8 @@ class MlflowServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             # own session: stop() ends the server and all its workers by process group, nothing else
-            # job execution (GenAI evaluation jobs) spawns ~6 extra worker processes; tracking needs none
-            env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-            self.proc = subprocess.Popen(mlflow_command(self.backend_uri, self.artifacts_dir, self.port,
-                                                        self.workers),
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            cmd, env = mlflow_launch(self.backend_uri, self.artifacts_dir, self.port, self.workers, self.client_env)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             wait_healthy(self.url, self.proc, timeout_s, self.log_path)
         except BaseException:
@@ -202,12 +294,14 @@ def tracking_server(artifacts_dir: Path, log_path: Path, port: int = 0, backend_
     pg = None
     server = None
     try:
+        client_env = None
         if postgres_dir is not None:
             pg = Postgres(Path(postgres_dir), pg_port or free_port()).start()
-            backend_uri = pg.uri()
+            backend_uri, client_env = pg.uri(), pg.client_env()
         if not backend_uri:
             raise QuantbenchError("give --backend-store-uri postgresql://... or --postgres-dir DIR")
-        server = MlflowServer(backend_uri, Path(artifacts_dir), port or free_port(), Path(log_path)).start()
+        server = MlflowServer(backend_uri, Path(artifacts_dir), port or free_port(), Path(log_path),
+                              client_env=client_env).start()
         yield server
     finally:
         if server is not None:
@@ -218,7 +312,9 @@ def tracking_server(artifacts_dir: Path, log_path: Path, port: int = 0, backend_
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.server", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend-store-uri", default="", help="postgresql://user[:password]@host:port/db")
+    ap.add_argument("--backend-store-uri", default="",
+                    help=f"postgresql://user@host:port/db, without a password (put it in ~/.pgpass or PGPASSFILE); "
+                         f"default ${URI_ENV}, which may hold one")
     ap.add_argument("--postgres-dir", default=None,
                     help="start a local PostgreSQL with its data here (created if empty) and use it")
     ap.add_argument("--postgres-port", type=int, default=5432)
@@ -226,11 +322,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=5000)
     ap.add_argument("--log", default="results/mlflow-server.log")
     args = ap.parse_args(argv)
+    if args.backend_store_uri and urllib.parse.urlsplit(args.backend_store_uri).password is not None:
+        print(f"error: --backend-store-uri {redact(args.backend_store_uri)!r} holds a password, which `ps` shows to "
+              f"every user; give the URI without it and put the password in ~/.pgpass (or PGPASSFILE), or pass the "
+              f"URI in ${URI_ENV}", file=sys.stderr)
+        return 2
+    if not args.backend_store_uri and not args.postgres_dir:
+        args.backend_store_uri = os.environ.get(URI_ENV, "")
     if args.backend_store_uri and args.postgres_dir:
         print("error: give either --backend-store-uri or --postgres-dir, not both", file=sys.stderr)
         return 2
     if args.backend_store_uri and not args.backend_store_uri.startswith(("postgresql", "mysql", "sqlite")):
-        print(f"error: --backend-store-uri {args.backend_store_uri!r} is not a database URI "
+        print(f"error: --backend-store-uri {redact(args.backend_store_uri)!r} is not a database URI "
               "(postgresql://user@host:port/db)", file=sys.stderr)
         return 2
     def on_term(signum, frame):  # SIGTERM stops like Ctrl-C: the finally blocks stop server and database
@@ -240,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tracking_server(Path(args.artifacts_dir), Path(args.log), args.port, args.backend_store_uri,
                              Path(args.postgres_dir) if args.postgres_dir else None, args.postgres_port) as srv:
-            print(f"MLflow server ready: {srv.url}  (backend {srv.backend_uri}, artifacts {srv.artifacts_dir}, "
+            print(f"MLflow server ready: {srv.url}  (backend {redact(srv.backend_uri)}, artifacts {srv.artifacts_dir}, "
                   f"log {srv.log_path})\nuse it with: python run.py ... tracking.uri={srv.url}\nCtrl-C stops it.",
                   flush=True)
             while srv.proc is not None and srv.proc.poll() is None:

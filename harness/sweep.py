@@ -3,17 +3,20 @@
 How a Hydra multirun becomes a sweep (any launcher: basic, submitit_local, ...):
 
 - `SweepCallback.on_multirun_start` (registered in conf/config.yaml under hydra.callbacks) runs once in
-  the launching process: it validates the sweep settings, marks stale MLflow runs KILLED, opens (or
+  the launching process: it validates the sweep settings, takes the sweep folder's lock (one sweep per
+  folder: harness/sweep_resume.py), marks stale MLflow runs KILLED, opens (or
   re-opens, on resume) the sweep's MLflow parent run and writes `results/<sweep>/sweep.json`, the
   state every job reads (its path also goes to the jobs through $QUANTBENCH_SWEEP_STATE).
 - Each Hydra job calls `run_cell(cfg)` (run.py does this in MULTIRUN mode). It never loads a model:
-  it validates the cell, skips it when an OK result for the same config hash and code version exists
-  (resume), else runs `harness.runner.run` in a child process of its own with a timeout, classifies
-  what happened (OK, FAILED, OOM, TIMEOUT, CRASHED, KILLED), writes `results/<sweep>/cells/<hash>.json`
-  and logs a nested MLflow run under the parent. It never raises for a failed cell, so the sweep goes on.
+  it validates the cell, reuses an OK result for the same config hash and resume key (code version, CPU,
+  library versions: harness/sweep_resume.py), else runs `harness.runner.run` in a child process of its
+  own with a timeout, classifies what happened (OK, FAILED, OOM, TIMEOUT, CRASHED, KILLED), writes
+  `results/<sweep>/cells/<hash>.json` and logs a nested MLflow run under the parent. It never raises for
+  a failed cell, so the sweep goes on.
 - `SweepCallback.on_multirun_end` reads the cells of this invocation back from disk (so the result is
   the same whatever the launcher and wherever the jobs ran), writes report.md / report.png, logs them to
-  the parent run, ends it, and sets the exit code run.py returns (non-zero when any cell is not OK).
+  the parent run, ends it, and sets the exit code run.py returns (non-zero when any cell is not OK, or
+  when none is OK: a sweep that measured nothing must not pass).
 
 Warm cells: the child is forked from a `forkserver` that imported torch, transformers and the harness once
 (harness/preload.py), so a cell pays no interpreter start or imports (`sweep.start_method=spawn` gives
@@ -46,10 +49,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import sweep_resume
 from harness.config import TrackingConfig, _positive, _Validated, to_plain
 from harness.errors import ConfigError, QuantbenchError, Unsupported
 from harness.measure import resolve_device
 from harness.runner import SUCCESS, Result, config_hash
+from harness.tracking import WRITE_ERROR_TAG
 
 log = logging.getLogger("quantbench")
 
@@ -63,6 +68,7 @@ DEFAULT_NAME = "adhoc"  # sweep folder for a multirun without an experiment name
 _EXIT = {"code": 0}
 _PROGRESS: dict[str, Any] = {}
 _OPEN: dict[str, Any] = {}  # the sweep this process opened and has not closed (for abort())
+_HELD: dict[str, Any] = {}  # the folder lock of that sweep (sweep_resume.hold_folder)
 
 
 @dataclass
@@ -71,7 +77,7 @@ class SweepSettings(_Validated):
 
     timeout_s: float = 3600.0  # per cell, counted from when the child is ready (imports done)
     startup_timeout_s: float = 600.0  # the child's imports (torch, transformers) under a loaded machine
-    resume: bool = True  # skip cells with an OK result for the same config hash and code version
+    resume: bool = True  # reuse cells with an OK result for the same config hash and resume key
     baseline: str = "none"  # quantizer name the report's speed ratio compares with
     start_method: str = "forkserver"  # forkserver (warm: imports done once) | spawn (a fresh interpreter per cell)
 
@@ -113,6 +119,7 @@ class SweepState:
     planned: int = 0  # cells the sweeper will launch (0 = unknown, e.g. a non-basic sweeper)
     varying: tuple = ()  # override keys that differ between cells (they name the cells)
     started: float = 0.0
+    code: str = ""  # sweep_resume.code_version() at the sweep's start: part of every cell's resume key
 
     @property
     def tcfg(self) -> TrackingConfig:
@@ -465,11 +472,15 @@ def _append_manifest(state: SweepState, chash: str, label: str) -> None:
     line = json.dumps({"invocation": state.invocation, "hash": chash, "label": label}) + "\n"
     path = Path(state.folder) / "manifest.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        os.write(fd, line.encode())  # one small O_APPEND write: atomic between concurrent jobs
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())  # one small O_APPEND write: atomic between concurrent jobs
+        finally:
+            os.close(fd)
+    except OSError as exc:  # disk full: the cell still runs; the report will miss it and say so
+        log.error("could not add cell %s to %s (%s); the report will count it as never reported", label, path,
+                  exc.strerror or exc)
 
 
 def _find_state(config: dict) -> SweepState | None:
@@ -523,7 +534,8 @@ def run_cell(cfg: Any) -> int:
     if state is None:  # no callback ran (hydra.callbacks cleared): a standalone sweep without parent run
         folder = sweep_folder(config)
         state = SweepState(name=config.get("name") or DEFAULT_NAME, folder=str(folder), invocation="standalone",
-                           commit=env.git_commit(), owner=owner_id(), tracking=dict(config.get("tracking") or {}))
+                           commit=env.git_commit(), owner=owner_id(), tracking=dict(config.get("tracking") or {}),
+                           code=sweep_resume.code_version())
         log.warning("no sweep state found (is harness.sweep.SweepCallback in hydra.callbacks?); cells are "
                     "recorded without an MLflow parent run")
     label = cell_label(overrides, state.varying)
@@ -532,18 +544,22 @@ def run_cell(cfg: Any) -> int:
     _append_manifest(state, chash, label)
     tcfg = state.tcfg
     previous = _read_json(path)
+    key: dict[str, str] = {}
+    rerun_why = ""
 
     try:
         settings = settings_from(config)
-        if (settings.resume and previous and previous.get("status") == "OK"
-                and previous.get("tags", {}).get("git_commit") == state.commit):
-            _relink(previous, path, state)
-            _say(f"[skip] {label}: OK result for config {chash} at commit {state.commit[:12]} exists ({path})")
-            _progress("resumed")  # a resumed OK cell (not status SKIPPED: that one cannot run here)
-            return 0
         exp = build(config)  # a config error fails the cell here, in a second, with no child at all
         exp.model.preflight()
         exp.quantizer.preflight(resolve_device(exp.measure.device))  # "needs CUDA" here: SKIPPED, no child started
+        key = sweep_resume.cell_key(state.code, exp.quantizer, exp.engine.name)  # code, CPU, library versions
+        if settings.resume and previous and previous.get("status") == "OK":
+            why = sweep_resume.differences(previous.get("tags") or {}, key)
+            if not why:
+                _reuse(previous, path, state, label, chash, key)
+                return 0
+            rerun_why = "; ".join(why)
+            _say(f"[rerun] {label}: the OK result for config {chash} is not reused: {rerun_why}")
         result = run_isolated(config, settings, fault_for(config))
     except QuantbenchError as exc:
         skipped = isinstance(exc, Unsupported)  # cannot run on this machine: recorded SKIPPED, the sweep goes on
@@ -556,9 +572,19 @@ def run_cell(cfg: Any) -> int:
         _record(result, path, state, label, choices, previous, tcfg)
         _say(summary_line(result))
         raise  # run.py catches it, calls abort() (report + parent run KILLED) and exits 130/143
-    _record(result, path, state, label, choices, previous, tcfg)
+    if key:
+        result.tags[sweep_resume.KEY_TAG] = json.dumps(key)
+    if rerun_why:
+        result.tags[sweep_resume.RERUN_TAG] = rerun_why
+    written = _record(result, path, state, label, choices, previous, tcfg)
     _say(summary_line(result))
     _progress(result.status)
+    if written != path:  # disk full (or read-only): the numbers are elsewhere; this cell is not in the folder
+        why = result.tags.get(WRITE_ERROR_TAG, "?").rsplit(": ", 1)[-1]
+        _say(f"  [{result.status}] {label}: result NOT written to {path} ({why}); "
+             + (f"kept in {written}: once there is space, cp {written} {path} (a resumed sweep then reuses it)"
+                if written else "printed above as a RESULT line: save it as that file once there is space"))
+        return 1
     return 0 if result.status in SUCCESS else 1
 
 
@@ -582,30 +608,56 @@ def _cell_tags(result: Result, state: SweepState, label: str, choices: dict) -> 
 
 
 def _record(result: Result, path: Path, state: SweepState, label: str, choices: dict, previous: dict | None,
-            tcfg: TrackingConfig) -> None:
+            tcfg: TrackingConfig) -> Path | None:
+    """Record a cell (JSON, then MLflow); returns the file holding it (not `path` when the disk was full)."""
     from harness import tracking
 
     result.run_name = label
     _cell_tags(result, state, label, choices)
-    tracking.record(result, tcfg, path=path, parent_run_id=state.parent_run_id or None)
+    written: Path | None = tracking.record(result, tcfg, path=path, parent_run_id=state.parent_run_id or None)
+    if WRITE_ERROR_TAG in result.tags and written == path:
+        written = None  # not at `path`, and nowhere else either: the result was printed (RESULT line)
     old = (previous or {}).get("mlflow_run_id")
     if old and old != result.mlflow_run_id and tcfg.enabled:
         try:  # the rerun replaces it; the old run stays for history, marked so the UI can filter it
             _client(tcfg).set_tag(old, "superseded_by", result.mlflow_run_id or "rerun")
         except Exception:  # noqa: BLE001
             pass
+    return written
 
 
-def _relink(previous: dict, path: Path, state: SweepState) -> None:
-    """A skipped cell belongs to this sweep's parent run too: log a copy if its run hangs elsewhere."""
+def _reuse(previous: dict, path: Path, state: SweepState, label: str, chash: str, key: dict[str, str]) -> None:
+    """Keep a done cell: say why on the terminal and in tag `resume.reused` (JSON; MLflow best effort)."""
+    from harness.tracking import write_json_atomic
+
+    why = sweep_resume.describe(key)
+    previous.setdefault("tags", {})[sweep_resume.REUSED_TAG] = f"{state.invocation}: {why}"
+    if not _relink(previous, path, state):
+        try:
+            write_json_atomic(path, previous)
+        except OSError as exc:  # the stored result is intact; only the note is missing
+            log.warning("could not note the reuse in %s: %s", path, exc)
+        if state.tcfg.enabled and previous.get("mlflow_run_id"):
+            try:
+                _client(state.tcfg).set_tag(previous["mlflow_run_id"], sweep_resume.REUSED_TAG,
+                                            previous["tags"][sweep_resume.REUSED_TAG])
+            except Exception:  # noqa: BLE001 - a note only; the JSON has it
+                pass
+    _say(f"[skip] {label}: reusing the OK result for config {chash} ({why}): {path}")
+    _progress("resumed")  # a resumed OK cell (not status SKIPPED: that one cannot run here)
+
+
+def _relink(previous: dict, path: Path, state: SweepState) -> bool:
+    """A reused cell belongs to this sweep's parent run too: log a copy if its run hangs elsewhere (True)."""
     from harness import tracking
 
     if not state.parent_run_id or previous.get("tags", {}).get("sweep.parent_run_id") == state.parent_run_id:
-        return
+        return False
     result = Result.from_dict(previous)
     result.tags["resumed_from"] = previous.get("mlflow_run_id", "")
     result.tags["sweep.parent_run_id"] = state.parent_run_id
     tracking.record(result, state.tcfg, path=path, parent_run_id=state.parent_run_id)
+    return True
 
 
 # ----------------------------------------------------------------------------------------------- sweep
@@ -616,9 +668,17 @@ def start_sweep(config_with_hydra: Any) -> SweepState:
     config = _plain_without_hydra(config_with_hydra)
     hydra_cfg = config_with_hydra.hydra if "hydra" in config_with_hydra else None
     settings = settings_from(config)
-    warm_up(settings)  # the forkserver imports torch & co. while the sweep opens its MLflow run
     tcfg = TrackingConfig(**(config.get("tracking") or {}))
     folder = sweep_folder(config)
+    name = config.get("name") or DEFAULT_NAME
+    try:  # one sweep per folder at a time: a second would run the same cells again (sweep_resume.py)
+        _HELD["lock"] = sweep_resume.hold_folder(folder, name)
+    except OSError as exc:
+        raise QuantbenchError(f"cannot use the sweep folder {folder}: {exc.strerror or exc}") from None
+    if (partial := sweep_resume.remove_partial_writes(folder)):  # a killed sweep's unfinished writes
+        log.warning("removed %d unfinished result write(s) a killed sweep left in %s (temporary files, never "
+                    "results)", len(partial), folder)
+    warm_up(settings)  # the forkserver imports torch & co. while the sweep opens its MLflow run
     cells = None
     if hydra_cfg is not None:
         try:
@@ -626,10 +686,11 @@ def start_sweep(config_with_hydra: Any) -> SweepState:
         except Exception as exc:  # noqa: BLE001 - only the progress total and cell names depend on it
             log.warning("could not list the sweep's cells in advance: %s", exc)
     old = _read_json(folder / "sweep.json") or {}
-    state = SweepState(name=config.get("name") or DEFAULT_NAME, folder=str(folder),
+    state = SweepState(name=name, folder=str(folder),
                        invocation=f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", commit=env.git_commit(),
                        owner=owner_id(), tracking=asdict(tcfg), planned=len(cells or []),
-                       varying=varying_keys(cells) if cells else (), started=time.time())
+                       varying=varying_keys(cells) if cells else (), started=time.time(),
+                       code=sweep_resume.code_version())
     if tcfg.enabled:
         try:
             stale = mark_stale(tcfg)
@@ -640,7 +701,11 @@ def start_sweep(config_with_hydra: Any) -> SweepState:
         except Exception as exc:  # noqa: BLE001 - cells still write their JSON; upload later
             log.error("MLflow unavailable for the sweep's parent run (%s: %s); cells keep their JSON",
                       type(exc).__name__, str(exc)[:300])
-    state.save()
+    try:
+        state.save()
+    except OSError as exc:
+        raise QuantbenchError(f"cannot write {folder}/sweep.json ({exc.strerror or exc}): free space in "
+                              f"{folder.parent} or set tracking.results_dir") from None
     _OPEN["state"] = state
     os.environ[STATE_ENV] = str(Path(state.folder).resolve() / "sweep.json")
     _EXIT["code"] = 0
@@ -694,7 +759,8 @@ def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
     for c in cells:
         counts[c.get("status", "?")] = counts.get(c.get("status", "?"), 0) + 1
     bad = sum(v for k, v in counts.items() if k not in SUCCESS) + missing  # SKIPPED: cannot run here, not a failure
-    status = "KILLED" if interrupted else ("OK" if bad == 0 else "FAILED")
+    nothing = not interrupted and not counts.get("OK")  # all SKIPPED (or none recorded): nothing was measured
+    status = "KILLED" if interrupted else ("OK" if bad == 0 and not nothing else "FAILED")
     paths: list[Path] = []
     try:
         paths = report.write_report(folder, cells, baseline=_baseline(cells), title=f"sweep {state.name}")
@@ -702,16 +768,39 @@ def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
         log.error("could not write the sweep report: %s", exc)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no cells"
     if missing:
-        summary += f", {missing} never reported (job died before recording)"
+        summary += f", {missing} never reported (the job died, or could not write its result)"
     close_parent_run(state, status, summary, paths)
-    _EXIT["code"] = 1 if bad or interrupted else 0
+    _EXIT["code"] = 1 if bad or interrupted or nothing else 0
+    lock = _HELD.pop("lock", None)
+    if lock is not None:
+        lock.release()
     where = paths[0] if paths else folder
     print(f"sweep {state.name}: {len(cells)} cell(s): {summary}; report: {where}", flush=True)
     for c in cells:  # every cell that is not OK (failed or skipped), each with its one-line reason
         if c.get("status") != "OK":
             print(f"  [{c.get('status')}] {c.get('tags', {}).get('sweep.cell', c.get('run_name'))}: "
                   f"{c.get('error', '')}", flush=True)
+    unsent = [c for c in cells if c.get("tags", {}).get("tracking_error") and not c.get("mlflow_run_id")]
+    if unsent and state.tcfg.enabled:
+        uri = state.tcfg.resolved_uri()
+        print(f"sweep {state.name}: {len(unsent)} cell(s) not in MLflow (logging to {uri} failed); their results are "
+              f"in {folder}/cells; re-send with: python -m harness.tracking upload {folder} --uri {uri}", flush=True)
+    if nothing:  # all SKIPPED: "nothing ran"; with failures among them the lines above say what failed
+        print(f"sweep {state.name}: {'no cell ran OK' if bad else 'nothing ran'}: {_why_nothing(cells)}; exit 1",
+              flush=True)
     return _EXIT["code"]
+
+
+def _why_nothing(cells: list[dict]) -> str:
+    """'all 2 cell(s) SKIPPED (needs CUDA: ...)': why a sweep measured nothing, in one line."""
+    if not cells:
+        return "no cell recorded a result"
+    statuses = sorted({str(c.get("status")) for c in cells})
+    reasons = list(dict.fromkeys(str(c.get("error") or "") for c in cells if c.get("error")))
+    what = f"all {len(cells)} cell(s) {statuses[0]}" if len(statuses) == 1 else \
+        f"no cell OK ({', '.join(statuses)})"
+    shown = " | ".join(reasons[:3]) + (f" | {len(reasons) - 3} more reasons" if len(reasons) > 3 else "")
+    return what + (f" ({shown})" if shown else "")
 
 
 def _baseline(cells: list[dict]) -> str:
@@ -730,7 +819,7 @@ def abort() -> None:
 
 
 def exit_code() -> int:
-    """What run.py exits with after a multirun: 1 when any cell was not OK."""
+    """What run.py exits with after a multirun: 1 when any cell was not OK, or no cell was OK."""
     return _EXIT["code"]
 
 

@@ -1,10 +1,11 @@
 """Recording: the result JSON first (atomic), then MLflow.
 
 The JSON is the source of truth: it is written before MLflow is contacted, so a run whose tracking
-server is down still leaves its numbers, and `python -m harness.tracking upload results/` sends such
-files later. MLflow calls are retried with bounded exponential backoff (SQLite's "database is locked"
-under concurrent writers, a server restarting); when the retries run out the failure is reported on
-the result and the run still finishes.
+server is down still leaves its numbers, and `python -m harness.tracking upload results/ --uri <store>`
+sends such files later (only to the store named on its command line, never to one a result file
+names). MLflow calls are retried with bounded exponential backoff (SQLite's "database is locked" under
+concurrent writers, a server restarting); when the retries run out the failure is reported on the
+result and the run still finishes.
 
 MLflow runs are created after the work, in one go: a run is never left RUNNING by a failure, and it
 ends FINISHED (status OK, or SKIPPED: cannot run on this hardware, the reason in tag `error`) or FAILED
@@ -14,10 +15,12 @@ ends FINISHED (status OK, or SKIPPED: cannot run on this hardware, the reason in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import random
+import sys
 import tempfile
 import time
 import uuid
@@ -32,6 +35,8 @@ log = logging.getLogger("quantbench")
 MAX_PARAM_CHARS = 6000
 RESULT_KEY_TAG = "result_key"
 PARENT_TAG = "parent_run_id"
+WRITE_ERROR_TAG = "result_write_error"  # the result JSON could not be written where it belongs (and why)
+RESCUE_ENV = "QUANTBENCH_RESCUE_DIR"  # where such a result is kept instead (default <tmp>/quantbench-rescue)
 SQLITE_LOCK_WAIT_S = 300.0  # other writers' turns; a wedged holder fails the log, not the run
 # MLflow's experiment type: its UI offers "genai_development" (GenAI apps & agents) and
 # "custom_model_development" ("Machine learning": the runs table first) and writes this tag itself when a
@@ -42,14 +47,56 @@ EXPERIMENT_KIND = "custom_model_development"
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:
+    """Write `path` whole or not at all: a temporary file in the same folder, fsynced, then renamed over it.
+
+    A reader (or a process killed mid-write) sees the old file or the new one, never a part. A failed
+    write (disk full) removes its temporary file and raises."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True, default=str)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
+
+
+def rescue_dir() -> Path:
+    """Where a result goes when its own folder cannot take it (disk full): $QUANTBENCH_RESCUE_DIR, else
+    <tmp>/quantbench-rescue (often another filesystem than results/)."""
+    return Path(os.environ.get(RESCUE_ENV) or Path(tempfile.gettempdir()) / "quantbench-rescue")
+
+
+def _save(path: Path, result: Result, final: bool) -> Path | None:
+    """Write the result JSON at `path`; when that fails, keep it in `rescue_dir()` and say so (tag
+    WRITE_ERROR_TAG); when that fails too, print it whole on stderr (`final`: the last chance). Returns
+    the file written, or None."""
+    try:
+        write_json_atomic(path, result.to_dict())
+        result.tags.pop(WRITE_ERROR_TAG, None)
+        return path
+    except OSError as exc:
+        first = WRITE_ERROR_TAG not in result.tags
+        result.tags[WRITE_ERROR_TAG] = f"{path}: {exc.strerror or exc}"
+    # one name per result (its result_key), so the writes before and after MLflow land on the same file
+    kept = rescue_dir() / f"{path.parent.parent.name}-{path.stem}-{result_key(result)[-8:]}.json"
+    try:
+        write_json_atomic(kept, result.to_dict())
+    except OSError as exc:
+        if final:  # nowhere to write: the numbers go to the terminal, one line that can be saved as the file
+            print(f"error: could not write the result anywhere ({result.tags[WRITE_ERROR_TAG]}; {kept}: "
+                  f"{exc.strerror or exc}); the whole result follows as one JSON line after RESULT", file=sys.stderr)
+            print("RESULT " + json.dumps(result.to_dict(), sort_keys=True, default=str), file=sys.stderr, flush=True)
+        return None
+    if first:
+        log.error("could not write the result to %s (%s); kept it in %s: once there is space, cp %s %s", path,
+                  result.tags[WRITE_ERROR_TAG].rsplit(": ", 1)[-1], kept, kept, path)
+    return kept
 
 
 def json_path(result: Result, tcfg: TrackingConfig, folder: str = "runs") -> Path:
@@ -274,22 +321,24 @@ def _log(c, result: Result, tcfg: TrackingConfig, parent_run_id: str | None, art
 
 def record(result: Result, tcfg: TrackingConfig, path: Path | None = None, parent_run_id: str | None = None,
            artifacts: dict[str, str] | None = None) -> Path:
-    """Write the result JSON, then log to MLflow; a tracking failure is reported, never fatal."""
+    """Write the result JSON, then log to MLflow; a tracking failure is reported, never fatal.
+
+    Returns the file that holds the result: `path`, or its copy in `rescue_dir()` when `path` could not
+    be written (disk full: tag WRITE_ERROR_TAG says why; MLflow still gets the numbers)."""
     path = path or json_path(result, tcfg)
     result_key(result)
     if parent_run_id:
         result.tags[PARENT_TAG] = parent_run_id  # so a later `upload` nests it under the same sweep run
-    write_json_atomic(path, result.to_dict())
+    written = _save(path, result, final=not tcfg.enabled)
     if not tcfg.enabled:
-        return path
+        return written or path
     try:
         result.mlflow_run_id = log_to_mlflow(result, tcfg, parent_run_id, artifacts)
     except Exception as exc:  # noqa: BLE001 - the JSON holds the numbers; `upload` sends them later
         result.tags["tracking_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         log.error("MLflow logging failed (%s); result kept in %s; re-send with: python -m harness.tracking "
                   "upload %s --uri %s", result.tags["tracking_error"], path, path.parent, tcfg.resolved_uri())
-    write_json_atomic(path, result.to_dict())
-    return path
+    return _save(path, result, final=True) or path
 
 
 def _already_sent(result: Result, tcfg: TrackingConfig) -> str:
@@ -316,21 +365,32 @@ def _already_sent(result: Result, tcfg: TrackingConfig) -> str:
         return found
 
 
-def upload(folder: Path, tcfg: TrackingConfig | None = None) -> tuple[int, int]:
-    """Send result JSONs that never reached MLflow; returns (uploaded, failed).
-
-    `tcfg` None: each JSON goes where its own run meant to send it (its `tracking` config section).
-    """
-    done = failed = 0
+def pending(folder: Path) -> Iterator[tuple[Path, Result]]:
+    """Result JSONs under `folder` that never reached MLflow (no `mlflow_run_id`)."""
     for path in sorted(Path(folder).rglob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if not isinstance(data, dict) or "status" not in data or "config" not in data or data.get("mlflow_run_id"):
-            continue
-        result = Result.from_dict(data)
-        target = tcfg or _own_tracking(result)
+        if isinstance(data, dict) and "status" in data and "config" in data and not data.get("mlflow_run_id"):
+            yield path, Result.from_dict(data)
+
+
+def upload(folder: Path, tcfg: TrackingConfig, own_experiment: bool = False) -> tuple[int, int]:
+    """Send result JSONs that never reached MLflow to `tcfg.uri`; returns (uploaded, failed).
+
+    Only ever to the store the caller names: never to the URI written inside a result file, which, for a
+    file copied from elsewhere, could point anywhere. `own_experiment`: each result keeps the experiment
+    name its own config gave (else `tcfg.experiment`).
+    """
+    if not tcfg.uri:
+        raise ValueError("upload needs an explicit tracking URI (tcfg.uri)")
+    done = failed = 0
+    for path, result in pending(folder):
+        target = tcfg
+        if own_experiment:
+            own = (result.config.get("tracking") or {}).get("experiment")
+            target = dataclasses.replace(tcfg, experiment=own if own and isinstance(own, str) else tcfg.experiment)
         try:
             result.tags.pop("tracking_error", None)
             result.mlflow_run_id = _already_sent(result, target) or log_to_mlflow(
@@ -343,10 +403,20 @@ def upload(folder: Path, tcfg: TrackingConfig | None = None) -> tuple[int, int]:
     return done, failed
 
 
-def _own_tracking(result: Result) -> TrackingConfig:
-    own = result.config.get("tracking") or {}
-    known = {k: v for k, v in own.items() if k in TrackingConfig.__dataclass_fields__}
-    return TrackingConfig(**{**known, "enabled": True})
+def _named_stores(folder: Path, limit: int = 3) -> list[str]:
+    """The stores the pending results were meant for (shown to the user, never contacted)."""
+    seen: list[str] = []
+    for _, result in pending(folder):
+        own = result.config.get("tracking") or {}
+        try:
+            uri = TrackingConfig(**{k: v for k, v in own.items() if k in ("uri", "results_dir")}).resolved_uri()
+        except Exception:  # noqa: BLE001 - a malformed section: nothing to suggest
+            continue
+        if uri not in seen:
+            seen.append(uri)
+        if len(seen) == limit:
+            break
+    return seen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,18 +427,22 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("upload", help="upload result JSONs without an mlflow_run_id")
     up.add_argument("folder", nargs="?", default="results")
-    up.add_argument("--uri", default=None,
-                    help="MLflow tracking URI (default: the one each result was meant for, from its config)")
+    up.add_argument("--uri", default="", help="MLflow tracking URI to send to (required: the URI written inside "
+                    "a result file is never followed)")
     up.add_argument("--experiment", default=None, help="MLflow experiment (default: each result's own)")
     up.add_argument("--retries", type=int, default=3)
     up.add_argument("--timeout-s", type=float, default=10.0)
     args = ap.parse_args(argv)
+    if not args.uri:  # a result copied from elsewhere could name any store: the user says where, every time
+        named = ", ".join(repr(u) for u in _named_stores(Path(args.folder)))
+        print("error: upload needs --uri, the MLflow store to send to (e.g. --uri sqlite:///results/mlflow.db or "
+              "--uri http://127.0.0.1:5000); the URI inside a result file is never followed"
+              + (f" (these results name {named})" if named else ""), file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tcfg = None
-    if args.uri is not None or args.experiment is not None:
-        tcfg = TrackingConfig(uri=args.uri or "", experiment=args.experiment or "quantbench",
-                              retries=args.retries, timeout_s=args.timeout_s)
-    done, failed = upload(Path(args.folder), tcfg)
+    tcfg = TrackingConfig(uri=args.uri, experiment=args.experiment or "quantbench", retries=args.retries,
+                          timeout_s=args.timeout_s)
+    done, failed = upload(Path(args.folder), tcfg, own_experiment=args.experiment is None)
     print(f"uploaded {done}, failed {failed}")
     return 1 if failed else 0
 

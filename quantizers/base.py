@@ -89,6 +89,11 @@ def _logical_weights(m: Any) -> int:
     return int(m.weight.numel())
 
 
+def _bias_numel(m: Any) -> int:
+    bias = getattr(m, "bias", None)
+    return int(bias.numel()) if type(bias).__name__ in ("Tensor", "Parameter") else 0
+
+
 def _is_quantized(m: Any) -> bool:
     import torch
 
@@ -126,7 +131,8 @@ def audit_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, A
             if not any(name == s or name.endswith("." + s) for s in skip):
                 targeted.append((name, m))
     target_bytes = sum(module_bytes(m, seen) for _, m in targeted)
-    target_weights = sum(_logical_weights(m) for _, m in targeted)
+    # a bias is stored weights too (in the float dtype): counted, a biased float linear stays at its 16/32 bits
+    target_weights = sum(_logical_weights(m) + _bias_numel(m) for _, m in targeted)
     quantized = [(n, m) for n, m in targeted if _is_quantized(m)]
     weight_bytes = target_bytes + sum(tensor_bytes(t, seen) for t in list(model.parameters()) + list(model.buffers()))
     # logical parameter count: linear layers by shape (packed storage would miscount), the rest by numel

@@ -133,10 +133,14 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
     def preflight(self, device: str) -> None:
         super().preflight(device)
         self._device = device
+        if self.method != "rtn" and (spec := self._calibration_spec()) != CALIBRATION:
+            from harness import corpus
+
+            corpus.check(spec, "quantizer.calibration_corpus")  # an HF datasets id: cached, or the hub answers
         os.environ["GPTQMODEL_CPU_WORKERS"] = str(self.workers)
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
-        from harness.accuracy import load_corpus
+        from harness import corpus
 
         if self.method == "rtn":
             return
@@ -144,17 +148,13 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         if not spec:
             raise QuantbenchError(f"quantizer {self.name} needs calibration text: set quantizer.calibration_corpus="
                                   "<text file> or accuracy.corpus")
-        if spec == CALIBRATION:
-            pass
-        elif spec == "builtin" or os.sep in spec or spec.endswith(".txt"):
-            load_corpus(spec)  # local text: check it exists now, not after the model loads
-        else:
-            import importlib.util
-
-            if importlib.util.find_spec("datasets") is None:
-                raise QuantbenchError(f"quantizer {self.name} calibrates on {spec!r}, an HF datasets id, but "
-                                      "'datasets' is not installed; set quantizer.calibration_corpus=<text file>")
+        if spec != CALIBRATION and (err := corpus.file_problem("quantizer.calibration_corpus", spec)):
+            raise QuantbenchError(err)  # a local file: checked now, not after the model loads
         self._accuracy = accuracy
+
+    def _calibration_spec(self) -> str:
+        acc = self._accuracy
+        return self.calibration_corpus or (acc.corpus if acc is not None else "builtin")
 
     # --- calibration and cache -------------------------------------------------------------------
     def calibration(self, tokenizer: Any) -> tuple[list[dict], str, bool]:
@@ -162,7 +162,7 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         import hashlib
 
         acc = self._accuracy
-        spec = self.calibration_corpus or (acc.corpus if acc is not None else "builtin")
+        spec = self._calibration_spec()
         text = calibration_text(spec)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         need = self.calibration_samples * self.calibration_length

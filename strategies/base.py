@@ -29,6 +29,9 @@ class DecodeOptions:
 class Strategy:
     """Base class: one prompt per generate call, no setup, no extra metrics."""
 
+    # what this strategy measures that depends on the weight values ("" = nothing): model=random refuses it
+    weight_dependent = ""
+
     @property
     def name(self) -> str:
         return type(self).__name__

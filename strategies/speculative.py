@@ -207,6 +207,8 @@ def source_vocab(source: Any) -> dict[str, int]:
 class Speculative(Strategy):
     """Speculative decoding with greedy verification (see module docstring)."""
 
+    weight_dependent = "the draft's acceptance rate (and the speedup that follows from it)"
+
     draft: str = "model"  # model | prompt_lookup
     num_draft_tokens: int = 4  # tokens proposed per verification step
     ngram_max: int = 3  # prompt lookup: longest n-gram matched

@@ -141,13 +141,13 @@ NOT_HERE = {  # command (as extracted) -> why it cannot run on this machine; che
     "python run.py -m quantizer=bf16,fp16 hydra/launcher=slurm hydra.launcher.partition=gpu "
     "tracking.uri=http://mlflow-host:5000": "needs a SLURM cluster and an MLflow host; tests/test_launchers.py "
                                             "renders its sbatch script without a cluster",
-    "python -m harness.server --backend-store-uri postgresql://mlflow:PASSWORD@dbhost:5432/mlflow":
+    "python -m harness.server --backend-store-uri postgresql://mlflow@dbhost:5432/mlflow":
         "needs an existing PostgreSQL server; tests/test_tracking_server.py runs harness.server on a local one",
 }
 # run.py: what every documented run gets appended (later overrides win in Hydra): few tokens, one pass,
 # a short accuracy pass. The documented options themselves are kept.
 NARROW_RUN = ["measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0", "accuracy.max_tokens=128",
-              "accuracy.context_length=64", "accuracy.stride=64"]
+              "accuracy.context_length=64", "accuracy.stride=64", "accuracy.task_limit=10"]
 SERVER_MODULES = ("harness.server",)
 
 
@@ -231,7 +231,10 @@ def run_py(args: list[str], work: Path) -> list[str]:
         out.append("model=tiny_random")
     for a in args:  # a shipped sweep runs one cell the tiny model supports (all cells: tests/test_experiments.py)
         if a.startswith("+experiment=") and a.split("=", 1)[1] in NARROW_SWEEP:
-            out += ["model=tiny_random", *NARROW_SWEEP[a.split("=", 1)[1]]]
+            narrow = NARROW_SWEEP[a.split("=", 1)[1]]  # a size=<preset> cell brings its own (tiny) model
+            out += [*([] if any(n.startswith("size=") for n in narrow) else ["model=tiny_random"]), *narrow]
+    if "model=random" in args:  # published 1B-8B shapes: the same code path on the tiny preset, in seconds
+        out.append("model.arch=tiny")
     return _python(out)
 
 

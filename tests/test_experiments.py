@@ -25,6 +25,8 @@ NARROW = {
     "spec_decode": ["strategy.draft=prompt_lookup", "strategy.num_draft_tokens=2"],
     "llama_bench": ["engine=transformers", "workload=tg128"],  # llama.cpp needs a GGUF: tests/test_workloads.py
     "crossover": ["quantizer=int8", "strategy.batch_size=2", "measure.context_depth=16"],
+    "task_accuracy": ["quantizer=bf16", "accuracy.task_limit=3"],  # the real task files: scripts/setup.sh --tasks
+    "scaling": ["size=tiny", "format=int4"],  # the tiny preset of the random model (tests/test_random_model.py)
 }
 
 

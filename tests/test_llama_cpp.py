@@ -103,6 +103,93 @@ def test_llama_cpp_run_measures_the_same_metrics(compose, results_overrides):
     assert len(set(ref)) > 3  # not a degenerate token-0 stream
 
 
+def write_tiny_gguf(path: Path, tiny) -> None:
+    """The tiny random model as an F32 llama GGUF: the tensors and keys llama.cpp's converter writes, with q and k
+    rows permuted to llama.cpp's rotary layout (convert_hf_to_gguf.py's `permute`; transformers undoes it on load).
+    The vocabulary is the byte tokenizer's, for llama.cpp to load (one BPE merge, never used: ids go in directly)."""
+    import gguf
+
+    from harness.models import byte_tokenizer
+
+    model = tiny.build()
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+
+    def permute(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_vocab_size(cfg.vocab_size)
+    vocab = [t for t, _ in sorted(byte_tokenizer().get_vocab().items(), key=lambda kv: kv[1])]
+    assert len(vocab) == cfg.vocab_size
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(vocab)
+    w.add_token_types([gguf.TokenType.CONTROL if i < 3 else gguf.TokenType.NORMAL for i in range(len(vocab))])
+    w.add_token_merges(["Ġ Ġ"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = {"attn_norm": "input_layernorm", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+    for i in range(cfg.num_hidden_layers):
+        hf = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_q.weight", permute(sd[hf + "self_attn.q_proj.weight"], cfg.num_attention_heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight", permute(sd[hf + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+        for ours, theirs in names.items():
+            w.add_tensor(f"blk.{i}.{ours}.weight", sd[hf + theirs + ".weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@needs_extra
+def test_truth_check_on_a_tiny_gguf(tmp_path):
+    """The CI form of the heavy truth check below, in seconds: the tiny random model written as an F32 GGUF,
+    perplexity by quantbench (transformers, loading that GGUF) and by llama.cpp (the same file) on the same ids,
+    llama-perplexity's second-half rule. F32 on both sides: measured ratio 1.0001 (574.40 vs 574.45)."""
+    import llama_cpp
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from harness import accuracy as acc
+    from harness.config import AccuracyConfig
+    from harness.models import TinyRandom, byte_tokenizer
+
+    gguf_file = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_file, TinyRandom())
+    cfg = AccuracyConfig(corpus="builtin", max_tokens=512, context_length=128, stride=128, scoring="second_half")
+    ids = acc.corpus_tokens(byte_tokenizer(), cfg.corpus, cfg.max_tokens)
+    llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=128, n_batch=128, n_ubatch=128, n_threads=2,
+                          logits_all=False, verbose=False)
+    try:
+        assert llm.n_vocab() == 259
+        theirs = lc.perplexity(llm, ids, cfg)
+    finally:
+        llm.close()
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    ours = acc.score(model, ids, cfg, "cpu")
+    assert theirs["scored_tokens"] == ours["scored_tokens"] == 4 * 63
+    assert abs(theirs["perplexity"] / ours["perplexity"] - 1) < 0.002, (theirs, ours)
+    assert 100 < ours["perplexity"] < 2000  # a random model: near or above the 259-token vocabulary
+
+
 @pytest.mark.heavy  # heavy tier (make test-heavy): keeps CI well inside 30 min on a cold machine
 @needs_extra
 @pytest.mark.slow

@@ -289,6 +289,20 @@ def test_bad_options_list_allowed_values(compose):
         _exp(compose, "gptq_int4", ["quantizer.method=spqr"])
 
 
+def test_gptq_calibration_beats_rtn_on_the_tiny_model(compose, reference):
+    """The CI form of the heavy test below: calibration must buy accuracy. Same format, group size (32) and
+    kernel; GPTQ calibrates on 8 x 64 tokens of the shipped calibration text, a different text from the scored
+    slice. Measured here: KL(fp32 || q) on the 127 positions 0.022 for GPTQ vs 0.075 for RTN, the same on a
+    cold cache (deterministic); with a degenerate calibration (one token repeated) GPTQ lands at RTN's 0.073."""
+    kl = {}
+    for name in ("gptq_int4", "rtn_int4"):
+        exp = _exp(compose, name)
+        model, _ = _load(exp)
+        logp = _logp(model, reference["ids"])
+        kl[name] = (reference["logp"].exp() * (reference["logp"] - logp)).sum(-1).mean().item()
+    assert 0 < kl["gptq_int4"] < 0.6 * kl["rtn_int4"], kl
+
+
 # --- embedded model -------------------------------------------------------------------------------------
 @pytest.mark.heavy  # heavy tier (make test-heavy): keeps CI well inside 30 min on a cold machine
 @pytest.mark.slow

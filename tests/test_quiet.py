@@ -76,3 +76,43 @@ def test_without_a_log_env_the_file_lands_under_results_and_verbose_shows_everyt
     _run(compose, tmp_path)
     out, err = capfd.readouterr()
     assert "NOISE-print-stdout" in out and "NOISE-fd1" in out and "NOISE-fd2" in err
+
+
+def test_the_kernel_profile_keeps_kineto_lines_off_the_terminal(compose, tmp_path, capfd, monkeypatch, caplog):
+    """torch.profiler's kineto prints `USDT ... profiler_start/stop` from C++ straight to fd 2 at every start and
+    stop: the kernel-tag profile runs with the library output redirected, while its own log line stays visible."""
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    caplog.set_level(logging.INFO, logger="quantbench")  # run.py logs at INFO: the profile's own line is one
+    log_file = tmp_path / "run.log"
+    monkeypatch.setenv(LOG_ENV, str(log_file))
+    exp = build(compose([*FAST, "accuracy.enabled=false", "measure.repetitions=1", "measure.warmup=0",
+                         "measure.max_new_tokens=6", "tracking.enabled=false", f"tracking.results_dir={tmp_path}"]))
+    assert exp.measure.kernel_profile
+    result = runner.execute(exp)
+    out, err = capfd.readouterr()
+    assert result.tags["kernel.linear"] not in ("none found", "") and "profile failed" not in result.tags["kernel.linear"]
+    assert "USDT" not in out + err and "profiler_start" not in out + err, (out, err)
+    assert "kernel.linear=" in err, err  # quantbench's own line about the profile still reaches the terminal
+    logged = log_file.read_text()
+    assert "profiler_start" in logged and "profiler_stop" in logged
+
+
+def test_library_import_warnings_go_to_the_log_file(tmp_path):
+    """torch's `_pytree` warnings about torchao's enums and torchao's missing CUDA kernels are printed when
+    transformers first imports torchao, which a sweep's forkserver does while it pre-imports (harness/preload.py):
+    they go to the run's log file, not the terminal."""
+    import subprocess
+
+    pytest.importorskip("torchao")
+    from conftest import ROOT
+
+    log_file = tmp_path / "run.log"
+    env = {k: v for k, v in os.environ.items() if k != VERBOSE_ENV}
+    env.update({LOG_ENV: str(log_file), "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run([sys.executable, "-c", "import harness.preload"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "_pytree" not in proc.stderr and "Failed to load" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout == ""
+    logged = log_file.read_text() if log_file.exists() else ""
+    assert "is an Enum subclass" in logged, logged[-2000:]

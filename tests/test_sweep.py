@@ -103,6 +103,43 @@ def test_fault_drill_then_resume_reruns_only_the_bad_cells(tmp_path):
     assert not [r for r in runs if r.info.status == "RUNNING"]
 
 
+def test_crashed_and_timed_out_cells_are_classified_then_resume_reruns_only_them(tmp_path, monkeypatch, capsys):
+    """The fast form of the drill above, in CI: one cell SIGKILLed, one past a short timeout, one OK."""
+    args = ["name=fast", "quantizer=fp32", "measure.seed=0,1,2", "sweep.timeout_s=8"]
+    first = run_cli(args, tmp_path, {"kill": {"measure.seed": 0}, "hang": {"measure.seed": 1}})
+    out = first.stdout + first.stderr
+    assert first.returncode == 1, out[-3000:]
+    folder = tmp_path / "fast"
+    cells = cells_by_label(folder)
+    assert {k: v["status"] for k, v in cells.items()} == {"measure.seed=0": "CRASHED", "measure.seed=1": "TIMEOUT",
+                                                           "measure.seed=2": "OK"}, out[-3000:]
+    assert "SIGKILL" in cells["measure.seed=0"]["error"]
+    assert "sweep.timeout_s=8s" in cells["measure.seed=1"]["error"]
+    _, runs = mlflow_runs(tmp_path)
+    (parent,) = [r for r in runs if r.data.tags.get("quantbench.role") == "sweep"]
+    assert parent.info.status == "FAILED"
+    assert sorted(r.data.tags["status"] for r in runs if r.data.tags.get("quantbench.role") == "cell") == \
+        ["CRASHED", "OK", "TIMEOUT"]
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    ok_started = cells["measure.seed=2"]["started"]
+
+    # resume without the faults: each cell as the next invocation's Hydra job runs it (in-process here,
+    # to save a second sweep start): the OK cell is reused, the two bad ones run again and succeed
+    from harness.config import compose
+
+    monkeypatch.setenv(sweep.STATE_ENV, str(folder / "sweep.json"))
+    monkeypatch.delenv(sweep.FAULT_ENV, raising=False)
+    for seed in range(3):
+        cfg = compose([*TINY, f"tracking.results_dir={tmp_path}", *args[:2], f"measure.seed={seed}", args[3]])
+        assert sweep.run_cell(cfg) == 0
+    out2 = capsys.readouterr().out
+    (skip,) = [ln for ln in out2.splitlines() if "[skip]" in ln]
+    assert "same code" in skip, skip
+    cells = {c["config"]["measure"]["seed"]: c for c in sweep.invocation_cells(folder)}
+    assert {k: v["status"] for k, v in cells.items()} == {0: "OK", 1: "OK", 2: "OK"}
+    assert cells[2]["started"] == ok_started  # not rerun
+
+
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_oom_in_the_child_is_recorded_as_oom(compose, start_method):
     from harness.config import to_plain

@@ -108,9 +108,50 @@ def test_upload_adopts_a_run_whose_json_update_was_lost(tmp_path, live_uri):
     assert sent["mlflow_run_id"]
     sent["mlflow_run_id"] = ""  # as if the process died between MLflow and the JSON write-back
     path.write_text(json.dumps(sent))
-    assert tracking.upload(tmp_path, None) == (1, 0)  # None: each JSON's own tracking config
+    # the store is named explicitly; the experiment is each JSON's own (no --experiment)
+    assert tracking.upload(tmp_path, TrackingConfig(uri=live_uri), own_experiment=True) == (1, 0)
     runs = runs_of(live_uri, tcfg.experiment)
     assert len(runs) == 1 and json.loads(path.read_text())["mlflow_run_id"] == runs[0].info.run_id
+
+
+def test_upload_without_uri_refuses_and_never_follows_the_uri_inside_a_result(tmp_path, capsys):
+    """A result JSON copied from elsewhere names a store of someone else's choosing: `upload` sends only where
+    its user says (--uri), and without it says so in one line (exit 2), contacting nothing."""
+    import threading
+
+    contacted: list[bytes] = []
+    with socket.socket() as srv:  # a store "elsewhere": records whoever connects, answers nothing
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        srv.settimeout(0.2)
+        stop = threading.Event()
+
+        def serve():
+            while not stop.is_set():
+                try:
+                    conn, _ = srv.accept()
+                except OSError:
+                    continue
+                with conn:
+                    conn.settimeout(0.5)
+                    contacted.append(conn.recv(200) or b"?")
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        elsewhere = TrackingConfig(uri=f"http://127.0.0.1:{srv.getsockname()[1]}", results_dir=str(tmp_path),
+                                   experiment="copied", enabled=False, retries=0, timeout_s=1.0)
+        path = tracking.record(fake_result("copied", 1.0, elsewhere), elsewhere)  # JSON only, never sent
+        code = tracking.main(["upload", str(tmp_path)])
+        code_experiment_only = tracking.main(["upload", str(tmp_path), "--experiment", "copied"])
+        stop.set()
+        thread.join(2)
+    out, err = capsys.readouterr()
+    assert contacted == [], contacted
+    assert code == code_experiment_only == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1] and lines[0].startswith("error: upload needs --uri"), err
+    assert repr(elsewhere.uri) in lines[0]  # what the files named, for a user who trusts them to copy
+    assert json.loads(path.read_text())["mlflow_run_id"] == ""
 
 
 def test_upload_replaces_a_half_logged_run(tmp_path, live_uri):

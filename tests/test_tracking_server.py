@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+from harness import server
 from harness.server import pg_bin, tracking_server
 
 pytestmark = pytest.mark.slow
@@ -77,3 +78,112 @@ def test_two_concurrent_sweeps_into_postgres_backed_server(tmp_path):
         assert not (pg_dir / "postmaster.pid").exists()
     finally:
         shutil.rmtree(pg_dir, ignore_errors=True)
+
+
+def _hba_methods(data_dir: Path) -> list[str]:
+    lines = [ln.split() for ln in (data_dir / "pg_hba.conf").read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    return [ln[-1] for ln in lines]
+
+
+@pytest.fixture()
+def pg_dir():
+    pg_bin("initdb")  # a missing PostgreSQL is a setup error (scripts/setup.sh --all), not a skip
+    path = Path(tempfile.mkdtemp(prefix="qb-pg-"))  # reachable by the `postgres` user when we are root
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture()
+def argv_seen(monkeypatch) -> list[list[str]]:
+    """Every command line harness.server starts (subprocess.run and Popen), as the kernel would show it."""
+    seen: list[list[str]] = []
+    real_run, real_popen = subprocess.run, subprocess.Popen
+
+    def run(args, *a, **k):
+        seen.append([str(x) for x in args])
+        return real_run(args, *a, **k)
+
+    class Popen(real_popen):
+        def __init__(self, args, *a, **k):
+            seen.append([str(x) for x in args])
+            super().__init__(args, *a, **k)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(subprocess, "Popen", Popen)
+    return seen
+
+
+def test_local_postgres_asks_for_a_password_that_no_command_line_shows(pg_dir, argv_seen):
+    """`--postgres-dir`: scram-sha-256 on every line of pg_hba.conf (no trust: any local user would be
+    superuser, and through COPY ... PROGRAM run shell commands as postgres), a generated password in a 0600
+    file, and the password on no command line: not ours, not PostgreSQL's processes, not the MLflow server's."""
+    import stat
+
+    import psutil
+
+    pg = server.Postgres(pg_dir, server.free_port()).start()
+    try:
+        methods = _hba_methods(pg_dir)
+        assert methods and set(methods) == {"scram-sha-256"}, methods
+        secret_file = pg.password_file
+        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600 and secret_file.stat().st_uid == os.geteuid()
+        password = secret_file.read_text().strip().rsplit(":", 1)[-1]
+        assert len(password) >= 32
+        assert password not in pg.uri() and "@127.0.0.1" in pg.uri()
+        cmdlines = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+        assert not [c for c in cmdlines + [" ".join(a) for a in argv_seen] if password in c]
+        assert any("postgres" in " ".join(a) for a in argv_seen)  # the recorder saw initdb, pg_ctl, psql ...
+
+        # the door is locked: no password, no entry; the password file lets our clients in
+        psql = [pg_bin("psql"), "-h", "127.0.0.1", "-p", str(pg.port), "-U", server.PG_USER, "-d", "mlflow", "-w",
+                "-tAc", "SELECT current_user"]
+        bare = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        refused = subprocess.run(psql, env={**bare, "PGPASSFILE": os.devnull}, capture_output=True, text=True)
+        assert refused.returncode != 0 and "password" in refused.stderr, refused.stderr
+        allowed = subprocess.run(psql, env={**bare, **pg.client_env()}, capture_output=True, text=True)
+        assert allowed.returncode == 0 and allowed.stdout.strip() == server.PG_USER, allowed.stderr
+
+        # the MLflow server gets the URI by environment, never on its command line
+        cmd, env = server.mlflow_launch(pg.uri(), pg_dir / "artifacts", 5000, client_env=pg.client_env())
+        assert "--backend-store-uri" not in cmd and not [a for a in cmd if "postgresql" in a or password in a]
+        assert env["MLFLOW_BACKEND_STORE_URI"].startswith("postgresql+psycopg2://") and password not in str(env)
+        assert env["PGPASSFILE"] == str(secret_file)
+    finally:
+        pg.stop()
+
+
+def test_a_cluster_made_with_trust_auth_is_locked_on_its_next_start(pg_dir):
+    """A cluster an older quantbench made (initdb --auth=trust) gets a password and scram-sha-256 lines."""
+    user = server._run_as()
+    if user:
+        import pwd
+
+        pw = pwd.getpwnam(user)
+        os.chown(pg_dir, pw.pw_uid, pw.pw_gid)
+    os.chmod(pg_dir, 0o700)
+    made = subprocess.run(server._cmd([pg_bin("initdb"), "-D", str(pg_dir), "-U", server.PG_USER, "--auth=trust",
+                                       "-E", "UTF8", "--no-instructions"], user), capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    assert "trust" in _hba_methods(pg_dir)
+    pg = server.Postgres(pg_dir, server.free_port()).start()
+    try:
+        assert set(_hba_methods(pg_dir)) == {"scram-sha-256"}
+        psql = [pg_bin("psql"), "-h", "127.0.0.1", "-p", str(pg.port), "-U", server.PG_USER, "-d", "mlflow", "-w",
+                "-tAc", "SELECT 1"]
+        bare = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        assert subprocess.run(psql, env={**bare, "PGPASSFILE": os.devnull}, capture_output=True).returncode != 0
+        assert subprocess.run(psql, env={**bare, **pg.client_env()}, capture_output=True).returncode == 0
+    finally:
+        pg.stop()
+
+
+def test_a_password_on_the_command_line_is_refused_and_never_printed(capsys, monkeypatch):
+    """`--backend-store-uri` with a password would show it in `ps`: refused in one line (exit 2); the URI may
+    come by environment instead, and what is printed of it has no password."""
+    assert server.main(["--backend-store-uri", "postgresql://mlflow:s3cret-pw@db.invalid:5432/mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert "s3cret-pw" not in err and len(err.strip().splitlines()) == 1 and "MLFLOW_BACKEND_STORE_URI" in err, err
+    assert server.redact("postgresql+psycopg2://mlflow:s3cret-pw@db:5432/x") == "postgresql+psycopg2://mlflow:***@db:5432/x"
+    cmd, env = server.mlflow_launch("postgresql://mlflow:s3cret-pw@db:5432/x", Path("/tmp/a"), 5000)
+    assert "s3cret-pw" not in " ".join(cmd) and "s3cret-pw" in env["MLFLOW_BACKEND_STORE_URI"]

@@ -48,6 +48,7 @@ class InProcessSide:
 
         exp = build(compose(self.overrides))
         exp.model.preflight()
+        exp.accuracy.preflight()
         return exp.config
 
     def load(self) -> dict:

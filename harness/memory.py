@@ -1,0 +1,327 @@
+"""Memory that fits: the peak a run will need, estimated before anything loads, against what is available.
+
+`check(exp, device)` runs after the engine's preflight and before any weight is allocated (harness/runner.py;
+run.py does it before the run starts, so a run that cannot fit is refused in one line, exit 2). The
+estimate adds up, in bytes:
+
+- runtime: the process as it stands (Python, torch, transformers imported; its RSS now);
+- weights: the decoder layers' matrices at the quantizer's stored bits per weight (its audit bound
+  `max_bits_per_weight`: int8 9, int4 packed 5.5) and everything else in the load dtype
+  (`quantizer.load_dtype`); llama.cpp: the GGUF file of the format (mmapped and read whole every step);
+- transient: what building or quantizing holds beside the result: one decoder layer in the load dtype (the
+  random model is built and quantized layer by layer: harness/random_model.py) or a float32 copy of the
+  largest tensor (per-tensor conversion in `from_pretrained`, llama.cpp's quantizer);
+- KV cache at the run's batch and context (depth + prompt + new tokens; llama.cpp: its n_ctx in f16);
+- activations and logits (batch x prompt x widths, batch x vocabulary);
+- the accuracy pass: its logits, and the float32 reference model, which is loaded and freed *before* the
+  run's model (so the peak is the larger of the two phases, not their sum).
+
+Available: `psutil.virtual_memory().available`, lowered to the cgroup's limit minus its usage where one is
+set (containers); on CUDA the device's free memory. A run over it raises `DoesNotFit` (an `Unsupported`:
+a sweep records the cell SKIPPED) with both numbers and a way out. The estimate is recorded as metric
+`mem_estimate_mb` beside the measured `peak_mem_mb` (docs/scaling_models.md compares them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.errors import Unsupported
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GGUF_BITS = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0}
+GB = 1e9
+TEXT_PROMPT_BOUND = 512  # tokens: a bound for the named prompt sets and files (synthetic ones have exact lengths)
+
+
+class DoesNotFit(Unsupported):
+    """The run needs more memory than this machine has available: refused before anything loads."""
+
+
+@dataclass
+class Counts:
+    """What sizes a model's memory, read from its config or GGUF header (never from its weights)."""
+
+    params: float  # logical parameters, a tied output head once
+    layer_params: float  # in the decoder layers: what weight quantizers store in fewer bits
+    largest_layer: float  # parameters of one decoder layer (the layer-by-layer build holds one)
+    largest_tensor: float  # elements of the largest tensor (per-tensor conversions hold one in fp32)
+    largest_layer_tensor: float  # elements of the largest matrix in a decoder layer (a quantizer's fp32 copy)
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    hidden: int
+    intermediate: int
+
+
+@dataclass
+class Estimate:
+    """Peak bytes by part; `phases` holds parts that are never resident together with the run's model."""
+
+    parts: dict[str, float]
+    where: str = "RAM"
+    phases: dict[str, float] = field(default_factory=dict)
+    alternatives: list[tuple[str, float]] = field(default_factory=list)  # (way out, its peak bytes)
+    available: float = 0.0  # bytes available when checked (metric mem_available_mb)
+
+    @property
+    def total(self) -> float:
+        runtime = self.parts.get("runtime", 0.0)
+        run = sum(v for k, v in self.parts.items() if k != "runtime")
+        return runtime + max([run, *self.phases.values()])
+
+    def describe(self) -> str:
+        shown = [f"{k} {v / GB:.1f}" for k, v in self.parts.items() if v >= 0.05 * GB]
+        shown += [f"{k} {v / GB:.1f} (before the run)" for k, v in self.phases.items() if v >= 0.05 * GB]
+        return " + ".join(shown) + " GB"
+
+
+# ---------------------------------------------------------------------------------------------- counting
+def _counts_from_hf(cfg: Any) -> Counts:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    params = {id(p): p for p in model.parameters()}
+    layers = model.get_decoder().layers
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return Counts(params=float(sum(p.numel() for p in params.values())), layer_params=float(sum(per_layer)),
+                  largest_layer=float(max(per_layer, default=0)),
+                  largest_tensor=float(max(p.numel() for p in params.values())),
+                  largest_layer_tensor=float(max((p.numel() for p in layers.parameters()), default=0)),
+                  layers=len(layers),
+                  kv_heads=int(getattr(text, "num_key_value_heads", None) or heads), head_dim=head_dim,
+                  vocab=int(text.vocab_size), hidden=int(text.hidden_size),
+                  intermediate=int(getattr(text, "intermediate_size", 4 * text.hidden_size)))
+
+
+def _counts_from_gguf(path: Path) -> Counts:
+    from gguf import GGUFReader
+
+    from harness.roofline import shape_from_gguf
+
+    tensors = GGUFReader(str(path)).tensors
+    shape = shape_from_gguf(path)
+    layer: dict[str, float] = {}
+    for t in tensors:
+        if t.name.startswith("blk."):
+            key = t.name.split(".")[1]
+            layer[key] = layer.get(key, 0.0) + int(t.n_elements)
+    emb = next(t for t in tensors if t.name == "token_embd.weight")
+    hidden = int(min(int(d) for d in emb.shape))
+    ffn = [int(max(int(d) for d in t.shape)) for t in tensors if t.name.endswith("ffn_up.weight")]
+    return Counts(params=float(sum(int(t.n_elements) for t in tensors)), layer_params=sum(layer.values()),
+                  largest_layer=max(layer.values(), default=0.0),
+                  largest_tensor=float(max(int(t.n_elements) for t in tensors)),
+                  largest_layer_tensor=float(max((int(t.n_elements) for t in tensors if t.name.startswith("blk.")),
+                                                 default=0)), layers=shape.layers,
+                  kv_heads=shape.kv_heads, head_dim=shape.head_dim, vocab=shape.embed_rows, hidden=hidden,
+                  intermediate=ffn[0] if ffn else 4 * hidden)
+
+
+_COUNTS: dict[tuple[str, str], Counts] = {}  # per process: a sweep's cells and run.py's precheck count once
+
+
+def model_counts(source: Any) -> Counts | None:
+    """The source's counts from what describes it without weights; None when nothing does (a hub id)."""
+    from harness.errors import QuantbenchError
+    from harness.models import short_hash
+
+    try:
+        if hasattr(source, "hf_config"):
+            key = ("config", short_hash(source.identity()))
+            make = lambda: _counts_from_hf(source.hf_config())  # noqa: E731
+        elif source.gguf_path is not None and Path(source.gguf_path).is_file():
+            key = ("gguf", str(source.gguf_path))
+            make = lambda: _counts_from_gguf(Path(key[1]))  # noqa: E731
+        elif (local := Path(str(getattr(source, "name_or_path", "") or ""))).name and (local / "config.json").is_file():
+            from transformers import AutoConfig
+
+            key = ("dir", str(local.resolve()))
+            make = lambda: _counts_from_hf(AutoConfig.from_pretrained(key[1], trust_remote_code=False))  # noqa: E731
+        else:
+            return None
+        if key not in _COUNTS:
+            _COUNTS[key] = make()
+        return _COUNTS[key]
+    except (QuantbenchError, OSError, ValueError, KeyError, AttributeError, StopIteration):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- estimates
+def runtime_bytes(device: str) -> float:
+    if device.startswith("cuda"):
+        import torch
+
+        return float(torch.cuda.memory_allocated())
+    import psutil
+
+    return float(psutil.Process().memory_info().rss)
+
+
+def context_positions(measure: Any) -> int:
+    from harness.workloads import parse
+
+    prompt = measure.prompt_tokens if parse(str(measure.prompts)).kind == "synthetic" else TEXT_PROMPT_BOUND
+    return int(measure.context_depth + prompt + measure.max_new_tokens)
+
+
+def _backend(quantizer: Any) -> Any:
+    """The quantizer that really runs (the device table's choice for int8/int4, once preflight resolved it)."""
+    try:
+        return getattr(quantizer, "resolved", quantizer)
+    except Exception:  # noqa: BLE001 - not resolved yet: judge by the alias itself
+        return quantizer
+
+
+def weight_bytes(counts: Counts, load_bytes: int, bits: float) -> float:
+    return counts.layer_params * bits / 8 + (counts.params - counts.layer_params) * load_bytes
+
+
+def transformers_estimate(exp: Any, device: str) -> Estimate | None:
+    counts = model_counts(exp.model)
+    if counts is None:
+        return None
+    q = _backend(exp.quantizer)
+    load = q.load_dtype(exp.model.dtype)
+    fb = DTYPE_BYTES.get(load, 4)
+    bits = min(float(q.max_bits_per_weight), 8.0 * fb) if q.quantizes else 8.0 * fb
+    batch, positions = int(getattr(exp.strategy, "batch_size", 1) or 1), context_positions(exp.measure)
+    prompt = positions - exp.measure.max_new_tokens
+    parts = {
+        "runtime": runtime_bytes(device),
+        "weights": weight_bytes(counts, fb, bits),
+        # quantizing: one float layer + the quantizer's fp32 work copy of its largest matrix; else one tensor
+        # converted on its way in (from_pretrained) -- the random model's in-memory build needs not even that
+        "transient": (counts.largest_layer * fb + counts.largest_layer_tensor * 8.0 if q.quantizes
+                      else counts.largest_tensor * fb),
+        "KV cache": batch * counts.layers * 2 * counts.kv_heads * counts.head_dim * fb * positions,
+        "activations": batch * (prompt * (8 * counts.hidden + 3 * counts.intermediate) * 4 + counts.vocab * 8),
+    }
+    phases = {}
+    acc = exp.accuracy
+    if acc.enabled:
+        parts["accuracy logits"] = acc.context_length * counts.vocab * 4.0 * 3
+        if acc.kl:
+            phases["reference"] = counts.params * DTYPE_BYTES.get(acc.reference_dtype, 4) + parts["accuracy logits"]
+    est = Estimate(parts=parts, where="GPU memory" if device.startswith("cuda") else "RAM", phases=phases)
+    fixed = parts["runtime"] + parts["KV cache"] + parts["activations"]
+    int_peak = counts.largest_layer * 2 + counts.largest_layer_tensor * 8.0  # one bf16 layer + a fp32 work copy
+    est.alternatives = [
+        ("quantizer=int4 (quantized layer by layer)", fixed + weight_bytes(counts, 2, 5.5) + int_peak),
+        ("quantizer=int8 (quantized layer by layer)", fixed + weight_bytes(counts, 2, 9.0) + int_peak),
+        ("model.dtype=bfloat16 quantizer=none", fixed + counts.params * 2 + counts.largest_tensor * 2.0),
+    ]
+    return est
+
+
+def llama_cpp_estimate(exp: Any, fmt: str, converted: Path | None, n_ctx: int, n_batch: int) -> Estimate | None:
+    """llama.cpp: the format's GGUF mmapped whole, its f16 KV cache of n_ctx, one batch's compute buffers."""
+    counts = model_counts(exp.model)
+    if counts is None:
+        return None
+    if converted is not None and converted.is_file():
+        weights, transient = float(converted.stat().st_size), 0.0
+    else:
+        src = exp.model.gguf_path
+        weights = (float(Path(src).stat().st_size) if fmt == "gguf" and src and Path(src).is_file()
+                   else counts.params * GGUF_BITS.get(fmt, 16.0) / 8)
+        # llama_model_quantize: an fp32 copy of a tensor, its output and work buffers (the 8B Q4_0 conversion
+        # peaked 0.9 GB above fp32 + output: 8 bytes per element covers it)
+        transient = counts.largest_tensor * 8.0
+    parts = {"runtime": runtime_bytes("cpu"), "weights": weights, "transient": transient,
+             "KV cache": counts.layers * 2 * counts.kv_heads * counts.head_dim * 2.0 * n_ctx,
+             "activations": n_batch * (counts.vocab + 4 * counts.intermediate) * 4.0}
+    est = Estimate(parts=parts)
+    fixed = parts["runtime"] + parts["KV cache"] + parts["activations"] + counts.largest_tensor * 8.0
+    est.alternatives = [(f"engine.format={f}", fixed + counts.params * GGUF_BITS[f] / 8) for f in ("Q4_0", "Q8_0")]
+    return est
+
+
+# ---------------------------------------------------------------------------------------------- available
+def _cgroup_left() -> float | None:
+    """Bytes the cgroup (v2, else v1) still allows, or None without a limit. Its inactive page cache counts as
+    free, as in MemAvailable (the kernel drops it before it refuses an allocation)."""
+    for base, limit, usage, cache in (("/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
+                                      ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                       "total_inactive_file")):
+        try:
+            raw = Path(f"{base}/{limit}").read_text().strip()
+            if raw == "max" or int(raw) >= 2**60:
+                return None
+            used = int(Path(f"{base}/{usage}").read_text().strip())
+        except (OSError, ValueError):
+            continue
+        try:
+            stat = dict(line.split() for line in Path(f"{base}/memory.stat").read_text().splitlines() if " " in line)
+            used -= int(stat.get(cache, 0))
+        except (OSError, ValueError):
+            pass
+        return float(int(raw) - used)
+    return None
+
+
+def available_bytes(device: str) -> tuple[float, str]:
+    """(bytes available now, where the number comes from)."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return float(free), "free GPU memory"
+    import psutil
+
+    avail, how = float(psutil.virtual_memory().available), "MemAvailable"
+    left = _cgroup_left()
+    if left is not None and left < avail:
+        avail, how = left, "cgroup limit minus usage"
+    return avail, how
+
+
+def check(exp: Any, device: str) -> Estimate | None:
+    """Estimate the run's peak and raise DoesNotFit when it exceeds what is available (module docstring)."""
+    estimate = getattr(exp.engine, "memory_estimate", None)
+    est = estimate(exp, device) if estimate is not None else None
+    if est is None:
+        return None
+    avail, how = available_bytes(device)
+    est.available = avail
+    if est.total > avail:
+        fits = [f"{what} (~{peak / GB:.1f} GB)" for what, peak in est.alternatives if peak < avail]
+        smaller = "a smaller model" + (" (model.arch=llama-3.2-3b or llama-3.2-1b)" if getattr(exp.model, "arch", "")
+                                       else "")
+        way = f"fits: {', or '.join(fits)}; or {smaller}" if fits else f"use {smaller}"
+        raise DoesNotFit(f"{exp.model.name} with quantizer {getattr(exp.quantizer, 'name', '?')} on {exp.engine.name} "
+                         f"needs ~{est.total / GB:.1f} GB of {est.where} at peak ({est.describe()}) but "
+                         f"{avail / GB:.1f} GB is available ({how}); {way}")
+    return est
+
+
+def metrics(est: Estimate | None) -> dict[str, float]:
+    """The estimate beside the measured peak_mem_mb (MiB, like it)."""
+    if est is None:
+        return {}
+    return {"mem_estimate_mb": est.total / 2**20, "mem_available_mb": est.available / 2**20}
+
+
+def refusal(exp: Any) -> str | None:
+    """run.py, before the run starts: the one-line DoesNotFit message, or None (other problems: the run records
+    them as before, e.g. SKIPPED for a missing GPU)."""
+    from harness.errors import QuantbenchError
+    from harness.measure import resolve_device
+
+    try:
+        device = resolve_device(exp.measure.device)
+        exp.engine.preflight(exp, device)  # resolves the quantizer (int8/int4: the device table's backend)
+        check(exp, device)
+    except DoesNotFit as exc:
+        return str(exc)
+    except QuantbenchError:
+        return None
+    return None

@@ -1,0 +1,199 @@
+"""How the cost of a decode step grows with model size: the `scaling` experiment's table and figure.
+
+A memory-bound decode step reads every weight once, so its time should be `bytes_per_step / bandwidth`
+plus whatever a step costs beyond reading bytes (attention, norms, sampling, Python dispatch, thread
+wake-ups). Fitting `ms/token = fixed + bytes / effective bandwidth` by least squares over the sizes of one
+engine gives that fixed cost per step (the intercept) and the bandwidth the engine really streams at (the
+inverse slope). At 135M the fixed cost rivals the weight traffic and every format looks alike; at 8B the
+weights are almost all of a step and the format's byte saving should show in full.
+
+`section(rows)` (report.md) lists per cell: bytes read per step, ms/token, the roofline ms (bytes /
+measured bandwidth) and fraction, the speedup over the same engine's 16-bit format at the same size, the
+ratio to llama.cpp's matching format (bf16 : BF16, int8 : Q8_0, int4 : Q4_0), the peak memory beside its
+estimate, and the load (+ quantize) time; then the fit per engine and per engine x format, and the sizes
+at which each quantized format first reaches 1.5x and 2x of its 16-bit format. `write(folder, rows)` draws
+scaling.png: ms/token against GB read per step, log-log, with the roofline line and the fitted lines.
+Used by harness/report.py for any sweep whose OK cells span at least two model sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+PAIRS = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}  # quantbench format : llama.cpp format
+SIXTEEN = {"transformers": ("bf16", "none", "fp16"), "llama_cpp": ("BF16", "F16")}
+
+
+def _num(m: dict, key: str) -> float | None:
+    try:
+        v = float(m.get(key))
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def points(rows: list[dict]) -> list[dict]:
+    """One point per OK cell with a speed and a roofline: size, engine, format and the numbers to plot."""
+    out = []
+    for r in rows:
+        m, t = r["metrics"], r["tags"]
+        tps, step = _num(m, "decode_tokens_per_s"), _num(m, "bytes_per_step")
+        if r["status"] != "OK" or not tps or not step:
+            continue
+        engine = t.get("engine", "transformers")
+        fmt = r["quantizer"]
+        if engine == "llama_cpp":  # kernel_path llama.cpp[Q8_0:file] in results older than tag engine.format
+            fmt = t.get("engine.format") or t.get("kernel_path", "[?:").split("[", 1)[-1].split(":", 1)[0]
+        bw = _num(m, "bandwidth_gb_per_s")
+        out.append({"size": t.get("model.arch") or t.get("model.name", "?"), "engine": engine, "format": fmt,
+                    "params": _num(m, "params") or 0.0, "gb": step / 1e9, "ms": 1e3 / tps,
+                    "roofline_ms": step / (bw * 1e9) * 1e3 if bw else None,
+                    "fraction": _num(m, "roofline_fraction"), "peak_gb": (_num(m, "peak_mem_mb") or 0) / 1024,
+                    "est_gb": (_num(m, "mem_estimate_mb") or 0) / 1024 or None, "load_s": _num(m, "load_s"),
+                    "cached": t.get("gguf_cache") == "hit", "bw": bw,
+                    "linear": t.get("kernel.linear_share", "")})  # the profile: the linear kernel's share of a step
+    sizes = {p["size"]: p["params"] for p in out}
+    order = sorted(sizes, key=lambda s: sizes[s])
+    out.sort(key=lambda p: (order.index(p["size"]), p["engine"] != "transformers", -p["gb"]))
+    return out
+
+
+def applies(rows: list[dict]) -> bool:
+    return len({p["size"] for p in points(rows)}) >= 2
+
+
+def fit(pts: list[dict]) -> tuple[float, float] | None:
+    """(fixed ms per step, effective GB/s) of ms = fixed + GB / bandwidth by least squares; None under two sizes."""
+    xs, ys = [p["gb"] for p in pts], [p["ms"] for p in pts]
+    if len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, (1e3 / slope if slope > 0 else float("inf"))  # ms per GB -> GB per s
+
+
+def _label(engine: str) -> str:
+    return "llama.cpp" if engine == "llama_cpp" else "quantbench" if engine == "transformers" else engine
+
+
+def _speedups(pts: list[dict]) -> dict[int, float]:
+    """Index -> speed over the same engine's 16-bit format at the same size."""
+    base = {(p["size"], p["engine"]): p["ms"] for p in pts if p["format"] in SIXTEEN.get(p["engine"], ())}
+    return {i: base[(p["size"], p["engine"])] / p["ms"] for i, p in enumerate(pts) if (p["size"], p["engine"]) in base}
+
+
+def _vs_llama(pts: list[dict]) -> dict[int, float]:
+    """Index of a quantbench row -> its speed over llama.cpp's matching format at the same size."""
+    peer = {(p["size"], p["format"]): p["ms"] for p in pts if p["engine"] == "llama_cpp"}
+    return {i: peer[(p["size"], PAIRS[p["format"]])] / p["ms"] for i, p in enumerate(pts)
+            if p["engine"] == "transformers" and (p["size"], PAIRS.get(p["format"], "")) in peer}
+
+
+def reading(pts: list[dict]) -> list[str]:
+    """Where each quantized format first reaches 1.5x and 2x of its engine's 16-bit format."""
+    ups = _speedups(pts)
+    lines = []
+    for engine, fmt in sorted({(p["engine"], p["format"]) for p in pts}):
+        if fmt in SIXTEEN.get(engine, ()):
+            continue
+        mine = [(pts[i]["size"], ups[i]) for i in ups if (pts[i]["engine"], pts[i]["format"]) == (engine, fmt)]
+        if not mine:
+            continue
+        parts = []
+        for goal in (1.5, 2.0):
+            hit = next((s for s, u in mine if u >= goal), None)
+            parts.append(f"{goal:g}x at {hit}" if hit else f"{goal:g}x not reached")
+        best = max(mine, key=lambda su: su[1])
+        lines.append(f"- {_label(engine)} {fmt} vs its 16-bit format: {', '.join(parts)} (best {best[1]:.2f}x at "
+                     f"{best[0]}).")
+    return lines
+
+
+def section(rows: list[dict]) -> str:
+    if not applies(rows):
+        return ""
+    pts = points(rows)
+    ups, peers = _speedups(pts), _vs_llama(pts)
+
+    def f(v: float | None, fmt: str) -> str:
+        return "—" if v is None else fmt.format(v)
+
+    lines = ["", "## Scaling: decode cost against bytes read per step", "",
+             "ms/token at batch 1; roofline = bytes per step / measured bandwidth; × 16-bit = speed over the same "
+             "engine's 16-bit format at that size; × llama.cpp = quantbench's speed over llama.cpp's matching "
+             "format (bf16 : BF16, int8 : Q8_0, int4 : Q4_0); linear = the profiled share of a decode step spent in the "
+             "linear kernel (tag kernel.linear_share: low = fixed costs dominate); peak memory measured (estimated "
+             "before loading); load = build/read + quantize (llama.cpp: GGUF write + llama_model_quantize unless "
+             "cached). Figure: scaling.png.", "",
+             "| model | engine | format | params | GB/step | ms/token | roofline ms | fraction | × 16-bit | "
+             "× llama.cpp | linear | peak GB (est.) | load s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(pts):
+        load = f(p["load_s"], "{:.1f}") + (" (cached)" if p["cached"] else "")
+        params = f"{p['params'] / 1e9:.2f} B" if p["params"] >= 1e9 else f"{p['params'] / 1e6:.2f} M"
+        lines.append(f"| {p['size']} | {_label(p['engine'])} | {p['format']} | {params} | "
+                     f"{p['gb']:.3f} | {p['ms']:.1f} | {f(p['roofline_ms'], '{:.1f}')} | "
+                     f"{f(p['fraction'], '{:.2f}')} | {f(ups.get(i), '{:.2f}')} | {f(peers.get(i), '{:.2f}')} | "
+                     f"{p['linear'] or '—'} | {p['peak_gb']:.1f} ({f(p['est_gb'], '{:.1f}')}) | {load} |")
+    lines += ["", "### Fixed cost per step (least squares: ms/token = fixed + GB/step / bandwidth)", "",
+              "| engine | format | points | fixed ms/step | effective GB/s |", "|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for p in pts:
+        groups.setdefault((p["engine"], "all formats"), []).append(p)
+        groups.setdefault((p["engine"], p["format"]), []).append(p)
+    for (engine, fmt), sel in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "all formats", kv[0][1])):
+        got = fit(sel)
+        if got is not None:
+            lines.append(f"| {_label(engine)} | {fmt} | {len(sel)} | {got[0]:.1f} | {got[1]:.1f} |")
+    found = reading(pts)
+    if found:
+        lines += ["", "Where the formats pay:", "", *found]
+    return "\n".join(lines) + "\n"
+
+
+def write(folder: Path, rows: list[dict], title: str = "scaling") -> list[Path]:
+    """scaling.png (see module docstring); [] when the cells span fewer than two sizes."""
+    if not applies(rows):
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = points(rows)
+    fig, ax = plt.subplots(figsize=(8.5, 6), dpi=110)
+    keys = sorted({(p["engine"], p["format"]) for p in pts})
+    marks = {"transformers": "o", "llama_cpp": "s"}
+    colors = plt.get_cmap("tab10")
+    for k, (engine, fmt) in enumerate(keys):
+        sel = [p for p in pts if (p["engine"], p["format"]) == (engine, fmt)]
+        ax.plot([p["gb"] for p in sel], [p["ms"] for p in sel], marks.get(engine, "^"), color=colors(k % 10),
+                label=f"{_label(engine)} {fmt}")
+        for p in sel:
+            ax.annotate(p["size"], (p["gb"], p["ms"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    xs = sorted(p["gb"] for p in pts)
+    grid = [xs[0] * 0.8 * (xs[-1] * 1.25 / (xs[0] * 0.8)) ** (i / 50) for i in range(51)]
+    bws = sorted(p["bw"] for p in pts if p["bw"])
+    if bws:
+        bw = bws[len(bws) // 2]
+        ax.plot(grid, [g / bw * 1e3 for g in grid], color="black", lw=1.2,
+                label=f"roofline: bytes / {bw:.0f} GB/s (measured)")
+    for k, engine in enumerate(sorted({p["engine"] for p in pts})):
+        got = fit([p for p in pts if p["engine"] == engine])
+        if got is not None and math.isfinite(got[1]):
+            ax.plot(grid, [got[0] + g / got[1] * 1e3 for g in grid], ls="--", lw=1, color="grey" if k == 0 else "tab:brown",
+                    label=f"{_label(engine)} fit: {got[0]:.1f} ms + bytes / {got[1]:.0f} GB/s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("GB read per decode step (weights as stored + KV cache)")
+    ax.set_ylabel("decode ms/token (batch 1)")
+    ax.set_title(f"{title}: decode cost vs bytes per step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = Path(folder) / "scaling.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return [path]
+

@@ -1,0 +1,128 @@
+"""Bad input is refused before anything runs: a corpus or hub model that cannot be had offline (one line,
+exit 2, before any timing), and a `_target_` that names code outside the allowed classes (refused from its
+dotted path alone, before any import)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from harness.cli import precheck
+from harness.config import build
+from harness.errors import ConfigError
+
+NO_SUCH_DATASET = "quantbench-no-such-org/no-such-corpus:raw:test"
+NO_SUCH_MODEL = "quantbench-no-such-org/no-such-model"
+
+
+@pytest.fixture()
+def offline_hub(tmp_path, monkeypatch):
+    """An empty HF cache and the hub switched off (as on a machine without internet, e.g. this one)."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub = importlib.import_module("harness.hub") if importlib.util.find_spec("harness.hub") else None
+    if hub:
+        hub.clear_cache()  # probes are remembered per process
+    yield tmp_path / "hf"
+    if hub:
+        hub.clear_cache()
+
+
+# --- item 3: corpus and hub model, checked before the model loads -------------------------------------------
+@pytest.mark.parametrize("argv, needles", [
+    ([f"accuracy.corpus={NO_SUCH_DATASET}"],
+     ["accuracy.corpus='quantbench-no-such-org/no-such-corpus:raw:test'", "not in the local HF datasets cache",
+      "local text file"]),
+    (["accuracy.corpus=wikitxt"], ["accuracy.corpus='wikitxt'", "not in the local HF datasets cache"]),
+    (["model=hf", f"model.name_or_path={NO_SUCH_MODEL}"],
+     [f"model.name_or_path='{NO_SUCH_MODEL}'", "not in the local HF cache", "local directory"]),
+])
+def test_a_corpus_or_hub_model_that_cannot_be_had_offline_fails_the_precheck(offline_hub, argv, needles):
+    problem = precheck(argv)
+    assert problem is not None and "\n" not in problem, problem
+    assert all(n in problem for n in needles), problem
+
+
+def test_a_cached_dataset_and_a_cached_hub_model_pass(offline_hub):
+    # what `datasets.load_dataset` leaves behind (<cache>/<owner>___<name>/<config>/<version>/<hash>) and
+    # what `snapshot_download` leaves behind (<hub>/models--owner--name/refs/main -> snapshots/<sha>)
+    (offline_hub / "datasets" / "owner___corpus" / "raw" / "0.0.0" / "abc123").mkdir(parents=True)
+    snap = offline_hub / "hub" / "models--owner--model" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap / "model.safetensors").write_bytes(b"")
+    (offline_hub / "hub" / "models--owner--model" / "refs").mkdir()
+    (offline_hub / "hub" / "models--owner--model" / "refs" / "main").write_text("0" * 40)
+    assert precheck(["accuracy.corpus=owner/corpus:raw:test"]) is None
+    assert precheck(["model=hf", "model.name_or_path=owner/model"]) is None
+    assert precheck(["accuracy.corpus=builtin"]) is None
+    assert precheck(["accuracy.enabled=false", f"accuracy.corpus={NO_SUCH_DATASET}"]) is None  # not read at all
+
+
+def test_run_py_refuses_an_unloadable_corpus_in_one_line_before_any_timing(tmp_path):
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HF_DATASETS_CACHE")}, **env}
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "run.py", "model=tiny_random", "accuracy.corpus=wikitxt",  # a typo
+                           "tracking.enabled=false", f"tracking.results_dir={results}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: accuracy.corpus='wikitxt'"), proc.stderr[-2000:]
+    assert not results.exists()  # nothing ran: no run, no timing thrown away
+
+
+def test_the_runner_checks_the_corpus_before_the_engine_runs(compose, offline_hub, results_overrides, monkeypatch):
+    """A run that skips run.py's precheck (a sweep cell, the gate, a test) still fails before anything loads."""
+    from harness.engines import TransformersEngine
+    from harness.runner import run
+
+    def execute(self, exp, device):
+        raise AssertionError("the engine ran (tokenizer, model, timing) before the corpus was checked")
+
+    monkeypatch.setattr(TransformersEngine, "execute", execute)
+    res = run(compose(["model=tiny_random", "accuracy.corpus=wikitxt", "accuracy.kl=false",
+                       *results_overrides, "tracking.enabled=false"]))
+    assert res.status == "FAILED" and "not in the local HF datasets cache" in res.error, res.error
+
+
+# --- item 6: `_target_` refused from its dotted path, before any import -----------------------------------
+@pytest.mark.parametrize("target", ["harness.gate.__main__.X", "harness.gate.__main__", "quantizers.__main__.Y",
+                                    "harness._secret.X", "harness.gate.__main__.__class__", "harness.nope.sub.X"])
+def test_target_is_refused_from_its_dotted_path_before_any_import(compose, monkeypatch, target):
+    real = importlib.import_module
+    imported: list[str] = []
+
+    def recording(name, *args, **kwargs):
+        imported.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", recording)
+    sys.modules.pop("harness.gate.__main__", None)
+    with pytest.raises(ConfigError, match=r"model._target_=.* is not allowed"):
+        build(compose([f"model._target_={target}"]))
+    module = target.rsplit(".", 1)[0]
+    assert not [m for m in imported if m.startswith(module) or "__main__" in m], imported
+    assert "harness.gate.__main__" not in sys.modules  # the gate's CLI never ran
+
+
+def test_an_unknown_key_beside_a_bad_target_imports_nothing_either(monkeypatch):
+    """The one-line message for an unknown key lists the keys of the class the section's `_target_` names:
+    that lookup must pass the same check before it imports anything."""
+    sys.modules.pop("harness.gate.__main__", None)
+    problem = precheck(["model._target_=harness.gate.__main__.X", "model.foo=1"])
+    assert problem is not None and "model.foo" in problem and "\n" not in problem, problem
+    assert "harness.gate.__main__" not in sys.modules  # the gate's CLI never ran
+
+
+def test_project_targets_still_build(compose):
+    exp = build(compose(["model=tiny_random", "quantizer=bf16", "strategy=speculative"]))
+    assert type(exp.model).__name__ == "TinyRandom" and type(exp.engine).__name__ == "TransformersEngine"
