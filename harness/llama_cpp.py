@@ -40,6 +40,8 @@ log = logging.getLogger("quantbench")
 
 # llama_ftype values (llama.h); only what `llama_model_quantize` makes from any source file
 FORMATS = {"gguf": None, "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+# stored bytes per weight of each format's matrices (ggml block sizes: Q8_0 34 B, Q4_0 18 B, Q4_1 20 B per 32)
+BYTES_PER_WEIGHT = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}
 INSTALL_HINT = ("engine=llama_cpp needs llama-cpp-python, which is not installed; install the extra with "
                 "`scripts/setup.sh --all` (compiles llama.cpp, ~5 min on 2 cores) or "
                 "`CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python==0.3.36`; or use engine=transformers")
@@ -55,9 +57,9 @@ def converted_path(src: Path, fmt: str) -> Path:
         return src
     import llama_cpp
 
-    from harness.models import _file_key, cache_root, short_hash
+    from harness.models import cache_root, file_key, short_hash
 
-    return cache_root() / "gguf" / f"{src.stem}-{fmt}-{short_hash(_file_key(src), llama_cpp.__version__)}.gguf"
+    return cache_root() / "gguf" / f"{src.stem}-{fmt}-{short_hash(file_key(src), llama_cpp.__version__)}.gguf"
 
 
 def convert(src: Path, fmt: str, threads: int) -> Path:
@@ -66,10 +68,21 @@ def convert(src: Path, fmt: str, threads: int) -> Path:
         return src
     import llama_cpp
 
+    from gguf import GGUFReader
+
+    from harness.models import require_free
+
+    reader = GGUFReader(str(src))
+    field = reader.fields.get("general.file_type")
+    if field is not None and int(field.parts[field.data[0]][0]) == FORMATS[fmt]:
+        return src  # already in that format: a converted copy would only duplicate it on disk
     out = converted_path(src, fmt)
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    # a full disk makes llama.cpp fail with a bare code 1 after minutes of work: check first, in one line
+    require_free(out.parent, sum(int(t.n_elements) for t in reader.tensors) * BYTES_PER_WEIGHT[fmt],
+                 f"converting {src.name} to {fmt}")
+    del reader
     tmp = out.with_suffix(f".tmp{os.getpid()}.gguf")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FORMATS[fmt]

@@ -43,9 +43,28 @@ def short_hash(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _file_key(path: Path) -> dict:
-    st = path.stat()
-    return {"name": path.name, "size": st.st_size, "mtime": int(st.st_mtime)}
+def file_key(path: Path) -> dict:
+    """A cache key for a weights file that survives reinstalls: name, size and a digest of its first and last
+    MiB (not its mtime or path, so two venvs holding the same package share one converted copy)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(size - (1 << 20))
+            digest.update(f.read(1 << 20))
+    return {"name": path.name, "size": size, "sample": digest.hexdigest()[:16]}
+
+
+def require_free(directory: Path, need_bytes: float, what: str) -> None:
+    """Refuse in one line, before writing, when `directory`'s disk cannot hold `need_bytes` (+10% and 256 MiB)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    if free < need_bytes * 1.1 + (256 << 20):
+        raise QuantbenchError(
+            f"{what} needs about {need_bytes / 2**20:,.0f} MiB in {directory}, but only {free / 2**20:,.0f} MiB "
+            f"are free; free disk space (`make clean-cache` drops quantbench's cache) or point QUANTBENCH_CACHE "
+            f"at a larger disk")
 
 
 def atomic_dir(final: Path, build) -> Path:
@@ -128,7 +147,7 @@ def _convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF into a cached safetensors directory (see module docstring)."""
     import transformers
 
-    key = short_hash(_file_key(gguf), transformers.__version__)
+    key = short_hash(file_key(gguf), transformers.__version__)
     final = cache_root() / "models" / f"{gguf.stem}-{key}"
 
     def build(tmp: Path) -> None:
@@ -163,7 +182,7 @@ class GGUFFile(ModelSource):
         return Path(self.path).stem
 
     def identity(self) -> dict:
-        return {"gguf": _file_key(Path(self.path))}
+        return {"gguf": file_key(Path(self.path))}
 
     def preflight(self) -> None:
         if not Path(self.path).is_file():
@@ -202,7 +221,7 @@ class EmbeddedGGUF(ModelSource):
         return path
 
     def identity(self) -> dict:
-        return {"gguf": _file_key(self._path()), "package": self.package}
+        return {"gguf": file_key(self._path()), "package": self.package}
 
     def preflight(self) -> None:
         self._path()
@@ -237,7 +256,7 @@ class HFModel(ModelSource):
         local = Path(self.name_or_path)
         if local.is_dir():
             files = sorted(local.glob("*.safetensors"))
-            return {"dir": str(local.resolve()), "files": [_file_key(f) for f in files]}
+            return {"dir": str(local.resolve()), "files": [file_key(f) for f in files]}
         return {"hub": self.name_or_path, "revision": self.revision}
 
     def preflight(self) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import QuantbenchError, one_of
-from harness.models import ModelSource, atomic_dir, cache_root, short_hash, torch_dtype
+from harness.models import ModelSource, atomic_dir, cache_root, require_free, short_hash, torch_dtype
 
 ARCH_DIR = Path(__file__).resolve().parent / "data" / "arch"
 MODEL_TYPES = ("llama", "qwen2")  # what harness/gguf_export.py writes (both engines must run the same shapes)
@@ -252,6 +252,10 @@ class RandomModel(ModelSource):
             raise QuantbenchError(f"model=random could not build {self.name}: {', '.join(left[:3])} left unset")
         return model.eval()
 
+    def params(self) -> int:
+        """Parameter count of the architecture (built on the meta device: no memory)."""
+        return sum(p.numel() for p in self.meta_model("bfloat16").parameters())
+
     @staticmethod
     def _layer_prefix(model: Any) -> str:
         layers = model.get_decoder().layers
@@ -279,6 +283,8 @@ class RandomModel(ModelSource):
     def local_dir(self) -> Path:
         """A safetensors copy in bf16 (the values are bf16 numbers: lossless), one shard per layer."""
         final = cache_root() / "models" / f"{self.name}-s{self.seed}-{short_hash(self.identity())}"
+        if not final.exists():
+            require_free(final.parent, 2.0 * self.params(), f"writing the random {self.name} weights")
 
         def build(tmp: Path) -> None:
             from safetensors.torch import save_file
@@ -313,6 +319,7 @@ class RandomModel(ModelSource):
         if not path.is_file():
             from harness.gguf_export import write_gguf
 
+            require_free(path.parent, 2.0 * self.params(), f"writing the BF16 GGUF of random {self.name}")
             write_gguf(self, path)
         return path
 
