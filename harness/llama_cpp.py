@@ -67,7 +67,6 @@ def convert(src: Path, fmt: str, threads: int) -> Path:
     if FORMATS[fmt] is None:
         return src
     import llama_cpp
-
     from gguf import GGUFReader
 
     from harness.models import require_free
