@@ -3,7 +3,7 @@ PY := .venv/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-all run test test-heavy lint ui clean-cache
+.PHONY: setup setup-all run test test-heavy gate lint ui clean-cache
 
 setup:
 	@bash scripts/setup.sh
@@ -21,12 +21,23 @@ test: setup-all
 test-heavy: setup-all
 	$(PY) -m pytest -m heavy $(PYTEST_ARGS)
 
+# CI's regression gate (docs/gate.md): this checkout, uncommitted changes included, against the baseline revision
+# BASE (default: the previous commit) on the smoke experiment: decode speed (each side measured by its own
+# revision's pipeline, in a worker process of its own) and accuracy against results/baselines/smoke.json.
+# Exit 0 pass, 1 regression, 2 error. `make gate BASE=origin/main` compares with the branch a PR targets.
+BASE ?= HEAD~1
+GATE_SMOKE := +experiment=smoke measure.max_new_tokens=32 measure.repetitions=1 measure.threads=1
+GATE_ARGS ?=
+gate: setup
+	$(PY) -m harness.gate --baseline "$(GATE_SMOKE)" --baseline-rev "$(BASE)" --candidate "$(GATE_SMOKE)" \
+	  --budget 120 --accuracy-baseline results/baselines/smoke.json --summary results/gate-summary.md $(GATE_ARGS)
+
 lint: setup
 	$(PY) -m ruff check .
 
-# MLflow UI on the local store, loopback only; prints a link to each experiment's runs table (harness/ui.py)
+# MLflow UI on the local store, loopback only; prints a link to each experiment's runs table (harness/records/ui.py)
 ui: setup
-	$(PY) -m harness.ui --backend-store-uri sqlite:///$(CURDIR)/results/mlflow.db --port 5000
+	$(PY) -m harness.records.ui --backend-store-uri sqlite:///$(CURDIR)/results/mlflow.db --port 5000
 
 clean-cache:
 	rm -rf $${QUANTBENCH_CACHE:-$$HOME/.cache/quantbench}

@@ -17,9 +17,18 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
+# harness.cli and harness.sweep.* import no model library at module level (torch, transformers, torchao, mlflow
+# load later, inside the run), so a bad argument still gets its one-line error fast and quiet_third_party()
+# below still runs before anything noisy is imported.
+from harness import LOG_ENV, VERBOSE_FLAGS, quiet_third_party, set_verbose
+from harness.cli import precheck, run_one
 from harness.config import register_configs
+from harness.sweep.cell import run_cell
+from harness.sweep.parent import abort, exit_code
 
 CONF = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "quantizer", "strategy", "engine", "experiment", "workload", "size", "format")
@@ -43,17 +52,9 @@ def check_group_choices(argv: list[str]) -> str | None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> int:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    from harness import LOG_ENV
-    from harness.cli import run_one
-
     hc = HydraConfig.get()  # the job's log file (Hydra's) also takes third-party output (cells' children inherit it)
     os.environ[LOG_ENV] = str(Path(hc.runtime.output_dir) / f"{hc.job.name}.log")
     if hc.mode == RunMode.MULTIRUN:
-        from harness.sweep import run_cell
-
         return run_cell(cfg)  # isolated child per cell, resume; the sweep goes on after a failed cell
     code = run_one(cfg)
     if code:
@@ -62,26 +63,18 @@ def main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
-    from harness import VERBOSE_FLAGS, set_verbose
-
     if any(a in VERBOSE_FLAGS for a in sys.argv[1:]):  # ours, not Hydra's: taken out before Hydra parses argv
         set_verbose()
         sys.argv = [a for a in sys.argv if a not in VERBOSE_FLAGS]
-    from harness.cli import precheck
-
     if (problem := check_group_choices(sys.argv[1:]) or precheck(sys.argv[1:])):
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from harness import quiet_third_party
-
     quiet_third_party()
     register_configs()
-    from harness import sweep
-
     try:
         main()
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM during a sweep: close it KILLED, nothing left RUNNING
-        sweep.abort()
+        abort()
         sys.exit(getattr(exc, "exit_code", 130))
-    sys.exit(sweep.exit_code())  # set by harness.sweep.SweepCallback: 1 when any cell was not OK, or none was OK
+    sys.exit(exit_code())  # set by harness.sweep.callback.SweepCallback: 1 when any cell was not OK, or none was OK

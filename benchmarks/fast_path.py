@@ -61,6 +61,9 @@ EXPLORE_MORE = {  # --explore-more: each costs another compile (max-autotune ben
 class LeftPadBatch(Strategy):
     """The prompt set repeated to `size` rows, decoded as one left-padded batch (fallback for batch 8)."""
 
+    stepwise = True  # capabilities (strategies/base.py): decode.py's loop, several rows per call
+    supports_context_depth = True
+    batches_rows = True
     size: int = 8
 
     @property

@@ -4,17 +4,20 @@
     flock /tmp/qb-heavy.lock python benchmarks/gate_calibration.py --only aa --runs 50 --out results/gate_cal.jsonl
     python benchmarks/gate_calibration.py --report results/gate_cal.jsonl
 
-Each gate run is a real `harness.gate.run_gate` on the CI config (.ci/run), speed only: both sides
-composed, loaded, warmed up and measured in A B B A blocks until the sequential rule stops, exactly as
-`python -m harness.gate` does it (the markdown and the MLflow record are left out). Scenarios:
+Each gate run is a real `harness.gate.run_gate` on the CI config (`make gate`), speed only: two worker
+processes on this checkout (harness/gate/worker.py), each loading its config through the measurement
+pipeline, warmed up and measured in A B B A blocks until the sequential rule stops, exactly as
+`python -m harness.gate` does it (the markdown and the MLflow record are left out). This is where the A/A
+gate lives: CI (`make gate`) compares the commit with a baseline revision instead. Scenarios:
 
-- `aa`: the candidate is the baseline config, loaded separately: every alarm is a false alarm;
+- `aa`: the candidate is the baseline config, in its own worker: every alarm is a false alarm;
 - `slow5`, `slow10`, `slow20`: `measure.inject_slowdown` 0.05 / 0.10 / 0.20 in the candidate: every
   decode step also busy-waits that fraction of a typical step, in CPU time (tokens/s -4.8% / -9.1% /
   -16.7%; strategies/inject.py);
 - `work10`: `measure.inject_work=0.10`: every decode step also does real matrix work sized to ~10% of
   a measured step (strategies/inject.py), so it competes for the core and caches like a real regression;
-- `ci`: the `.ci/run` gate command itself (with the accuracy check), timed end to end.
+- `ci`: `make gate`'s command itself (with the accuracy check) against `--ci-base` (default HEAD: the same
+  code, measured by a worktree worker against this checkout's), timed end to end.
 
 Targets (issue #15): A/A at most 5 alarms in 100; slow10 caught at least 19 in 20; slow5 reported.
 Runs are appended to `--out` (one JSON line each), so the calibration can be run in chunks of minutes
@@ -45,7 +48,7 @@ SCENARIOS = {  # name -> (candidate extra overrides, what it is, target)
     "slow10": ("measure.inject_slowdown=0.10", "spin +10% per step (tok/s -9.1%)", "caught >= 19 in 20"),
     "slow20": ("measure.inject_slowdown=0.20", "spin +20% per step (tok/s -16.7%)", "caught >= 19 in 20"),
     "work10": ("measure.inject_work=0.10", "real work ~+10% per step", "caught >= 19 in 20"),
-    "ci": ("", "the .ci/run gate command (A/A + accuracy), end to end", "exit 0, < 180 s"),
+    "ci": ("", "make gate's command against HEAD (same code + accuracy), end to end", "exit 0, < 180 s"),
 }
 DEFAULT_RUNS = {"aa": 100, "slow5": 20, "slow10": 20, "slow20": 20, "work10": 20, "ci": 3}
 
@@ -68,10 +71,10 @@ def gate_run(name: str, run: int, overrides: str, args: argparse.Namespace) -> d
             "budget_s": opts.budget_s}
 
 
-def ci_run(run: int, overrides: str) -> dict:
+def ci_run(run: int, overrides: str, base: str) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "harness.gate", "--baseline", overrides, "--candidate", overrides,
-                           "--accuracy-baseline", "results/baselines/smoke.json", "--no-mlflow",
+    proc = subprocess.run([sys.executable, "-m", "harness.gate", "--baseline", overrides, "--baseline-rev", base,
+                           "--candidate", overrides, "--budget", "120", "--accuracy-baseline", "results/baselines/smoke.json", "--no-mlflow",
                            "--output", "/tmp/qb-gate-calibration.json", "--summary", "/tmp/qb-gate-calibration.md"],
                           cwd=ROOT, capture_output=True, text=True)
     return {"scenario": "ci", "run": run, "exit": proc.returncode, "seconds": time.perf_counter() - t0,
@@ -156,6 +159,7 @@ def main() -> int:
                     help="number of the first run (its bootstrap seed): continue a chunked calibration with new seeds")
     ap.add_argument("--round-robin", action="store_true",
                     help="take the scenarios in turn (one run each) instead of one scenario after another")
+    ap.add_argument("--ci-base", default="HEAD", help="the baseline revision of the `ci` scenario (default HEAD)")
     ap.add_argument("--budget", type=float, default=0.0, help="gate --budget in seconds (default: the gate's)")
     ap.add_argument("--out", default="", help="append one JSON line per gate run here")
     ap.add_argument("--report", default="", help="print the table of a --out file and exit")
@@ -185,7 +189,7 @@ def main() -> int:
             todo.sort(key=lambda nr: nr[1])
         for name, i in todo:
             runs, run = counts[name], args.first + i
-            row = ci_run(run, args.overrides) if name == "ci" else gate_run(name, run, args.overrides, args)
+            row = ci_run(run, args.overrides, args.ci_base) if name == "ci" else gate_run(name, run, args.overrides, args)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             what = (f"exit {row['exit']}" if name == "ci" else row.get("error") or

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # harness.roofline's datasheet table (imported where used: this file runs before setup)
+sys.path.insert(0, str(ROOT))  # harness.bandwidth's datasheet table (imported where used: this file runs before setup)
 DEFAULT_OUT = "results/gpu_check"
 BUNDLE = ROOT / ".device" / "gpu_check"  # .device/ is git-ignored: it travels only when carried
 
@@ -201,7 +201,7 @@ def _num(v: float | None, fmt: str) -> str:
 
 def datasheet_bandwidth(gpu: str) -> tuple[float, str] | None:
     """(bytes/s, source) of a GPU named like `gpu` from the roofline's datasheet table, or None."""
-    from harness.roofline import DEVICES
+    from harness.bandwidth import DEVICES
 
     name = gpu.lower().replace(" ", "")
     for key in ("h200", "h100-pcie" if "pcie" in name else "h100", "a100-80gb" if "80g" in name else "a100-40gb",

@@ -43,8 +43,9 @@ def int_quantizers() -> list[str]:
 
 
 def run_row(overrides: list[str]) -> dict:
-    from harness import runner, tracking
+    from harness import runner
     from harness.config import compose
+    from harness.records import tracking
 
     t0 = time.perf_counter()
     result = runner.run(compose(overrides))

@@ -5,7 +5,7 @@
     python benchmarks/warm_cells.py --smoke     # one forkserver cell, no spawn cells: checks it runs
 
 Runs the same tiny-model cell (model=tiny_random, 4 new tokens, 1 repetition, no accuracy, no
-tracking) through `harness.sweep.run_isolated`, `--cells` times with each start method, alternating
+tracking) through `harness.sweep.isolated.run_isolated`, `--cells` times with each start method, alternating
 spawn / forkserver so both see the same machine load. Per cell it prints the wall time as the sweep sees
 it, `cell_start_s` (until the child is ready), the run itself (`runner.run` inside the child: build,
 tokenizer, model, generation) and the fixed cost = wall - the run's work as measured on a warm process.
@@ -13,7 +13,7 @@ The work of a warm process is measured first, in this process (second call of ru
 holds everything a cell pays that a long-lived process would not: interpreter start, imports (also the
 lazy ones inside the run), fork, pipes.
 
-The forkserver's own imports are paid once per sweep, before the first cell (`harness.sweep.warm_up`,
+The forkserver's own imports are paid once per sweep, before the first cell (`harness.sweep.isolated.warm_up`,
 run when the sweep opens); they are timed and printed separately.
 """
 
@@ -42,9 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.cells = 0  # the first forkserver cell below is the smoke run
 
-    from harness import quiet_third_party, runner, sweep
+    from harness import quiet_third_party, runner
     from harness.config import compose, to_plain
     from harness.env import cpu_info
+    from harness.sweep.isolated import run_isolated, warm_up
+    from harness.sweep.settings import SweepSettings
 
     quiet_third_party()
     config = to_plain(compose(TINY))
@@ -55,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     warm_work = time.perf_counter() - t
 
     t = time.perf_counter()
-    sweep.warm_up(sweep.SweepSettings(start_method="forkserver"))
-    first = sweep.run_isolated(config, sweep.SweepSettings(start_method="forkserver", timeout_s=300))
+    warm_up(SweepSettings(start_method="forkserver"))
+    first = run_isolated(config, SweepSettings(start_method="forkserver", timeout_s=300))
     first_s = time.perf_counter() - t  # the server's imports, then the first cell
     if first.status != "OK":
         print(f"forkserver: first cell {first.status}: {first.error}")
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
     for _ in range(args.cells):
         for method in methods:
-            r = sweep.run_isolated(config, sweep.SweepSettings(start_method=method, timeout_s=300))
+            r = run_isolated(config, SweepSettings(start_method=method, timeout_s=300))
             if r.status != "OK":
                 print(f"{method}: cell {r.status}: {r.error}")
                 return 1

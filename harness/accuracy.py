@@ -41,12 +41,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
+from harness.cache import cache_root
 from harness.config import TASK_FIELDS, AccuracyConfig
 from harness.corpus import BUILTIN_CORPUS  # noqa: F401 - re-exported
 from harness.corpus import load as load_corpus
 from harness.errors import QuantbenchError
 from harness.measure import model_grad_mode
+from harness.models import load_pretrained, torch_dtype
+
+# safetensors and transformers (for its version) are imported where used: only the reference record needs them
+# (tests/test_layout.py, LAZY_OK).
 
 log = logging.getLogger("quantbench")
 
@@ -95,8 +101,6 @@ def _scored(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, desc: 
     tokens = torch.tensor(ids, dtype=torch.long, device=device)
     spans = windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring)
     if progress:
-        from tqdm import tqdm
-
         spans = tqdm(spans, desc=desc, unit="window", leave=False)
     seen: dict[str, torch.Tensor] = {}
     hook = None
@@ -304,8 +308,6 @@ def _reference_pass(model: Any, ids: list[int], cfg: AccuracyConfig, device: str
 
 def build_reference(source: Any, tokenizer: Any, cfg: AccuracyConfig, device: str) -> tuple[dict, dict]:
     """Run the reference model over the corpus; returns (tensors, metadata) of the record to store."""
-    from harness.models import load_pretrained, torch_dtype
-
     ref_model = load_pretrained(source, cfg.reference_dtype, device)
     ids = corpus_tokens(tokenizer, cfg.corpus, cfg.max_tokens)
     meta, why, head = {}, "accuracy.kl_reference=topk", None
@@ -344,8 +346,6 @@ def reference_key(model_identity: dict, cfg: AccuracyConfig) -> str:
 
 
 def reference_path(model_identity: dict, cfg: AccuracyConfig) -> Path:
-    from harness.models import cache_root
-
     return cache_root() / "reference" / f"{reference_key(model_identity, cfg)}.safetensors"
 
 

@@ -11,10 +11,20 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from harness.config import build
+from harness import memory, runner
+from harness.config import build, register_configs
 from harness.errors import QuantbenchError
+from harness.records import tracking
+from harness.records.results import summary_line
+from harness.sweep.settings import planned_cells
+from harness.targets import fields_of
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 HYDRA_RUN_FLAGS = ("-m", "--multirun")  # other Hydra flags (--help, --cfg, --info, -c ...) skip the precheck
@@ -24,11 +34,6 @@ KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str
 
 
 def _compose(overrides: list[str], hydra: bool = False) -> DictConfig:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from harness.config import register_configs
-
     register_configs()
     GlobalHydra.instance().clear()
     try:
@@ -46,17 +51,13 @@ def compose_problem(exc: BaseException, overrides: list[str]) -> str:
     fields = {f.name: str(f.type) for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
     allowed = ", ".join(f for f in fields if not f.startswith("_"))
     value = next((o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == key), None)
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
     if key and isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         section = str(key).split(".")[0]
         if not allowed and section in GROUPS:  # an option's own keys: those of the class it names
-            from harness.config import _fields_of
-
             rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
             try:
                 target = _compose(rest)[section]["_target_"]
-                allowed = ", ".join(_fields_of(target))
+                allowed = ", ".join(fields_of(target))
                 key = f"{key} ({target.rsplit('.', 1)[-1]})"
             except Exception:  # noqa: BLE001 - only enriches the message
                 pass
@@ -70,9 +71,6 @@ def compose_problem(exc: BaseException, overrides: list[str]) -> str:
 
 def precheck(argv: list[str]) -> str | None:
     """Compose and validate every run `argv` asks for (no model loads); the first problem as one line."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
     if any(a.startswith("-") and a not in HYDRA_RUN_FLAGS for a in argv):
         return None  # Hydra's own flags: let Hydra answer
     overrides = [a for a in argv if not a.startswith("-")]
@@ -105,8 +103,6 @@ def precheck(argv: list[str]) -> str | None:
                 "list value")
     cells = [overrides]
     if multirun:
-        from harness.sweep import planned_cells
-
         cfg.hydra.overrides.task = overrides
         cells = planned_cells(cfg.hydra) or [base]  # another sweeper: validate what composes without it
     for cell in cells:
@@ -131,31 +127,8 @@ def validate(overrides: list[str]) -> str | None:
     return None
 
 
-def summary_line(result) -> str:
-    m = result.metrics
-    if result.status != "OK":
-        return f"[{result.status}] {result.run_name}: {result.error}"
-    parts = [f"decode {m.get('decode_tokens_per_s', float('nan')):.1f} tok/s "
-             f"(p10 {m.get('decode_tokens_per_s_p10', float('nan')):.1f}, "
-             f"p90 {m.get('decode_tokens_per_s_p90', float('nan')):.1f})",
-             f"TTFT {m.get('ttft_ms', float('nan')):.1f} ms",
-             f"ITL p50 {m.get('itl_ms_p50', float('nan')):.1f} ms",
-             f"weights {m.get('weight_bytes', 0) / 1e6:.1f} MB ({m.get('bits_per_weight', float('nan')):.2f} b/w)"]
-    if "perplexity" in m:
-        parts.append(f"ppl {m['perplexity']:.3f}")
-    if "kl_div_mean" in m:
-        parts.append(f"KL {m['kl_div_mean']:.4f} top1 {m['top1_agreement']:.3f}")
-    if "tasks_acc_mean" in m:  # harness/task_accuracy.py: per-task lines were logged as the tasks finished
-        parts.append(f"task acc {m['tasks_acc_mean']:.3f} ({m['tasks_acc_diff_mean']:+.3f} vs reference, "
-                     f"{m['tasks_acc_right_to_wrong']:.0f} right->wrong, {m['tasks_acc_wrong_to_right']:.0f} "
-                     f"wrong->right, McNemar p {m['tasks_acc_mcnemar_p']:.3g})")
-    return f"[OK] {result.run_name}: " + ", ".join(parts)
-
-
 def run_one(cfg: DictConfig) -> int:
     """Validate, run, record one experiment. Returns the exit code."""
-    from harness import runner, tracking
-
     try:
         exp = build(cfg)  # every config problem, at once, before anything heavy
         exp.model.preflight()
@@ -163,8 +136,6 @@ def run_one(cfg: DictConfig) -> int:
     except QuantbenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from harness import memory
-
     if (too_big := memory.refusal(exp)):  # the estimated peak exceeds free memory: refused before loading
         print(f"error: {too_big}", file=sys.stderr)
         return 2

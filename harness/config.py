@@ -15,44 +15,30 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from harness import corpus
+from harness import corpus, task_accuracy, tasks
 from harness.errors import ConfigError, QuantbenchError, one_of
+from harness.schema import COMPILE_BACKENDS, COMPILE_MATCH, COMPILE_MODES, DEVICES, DTYPES, Validated, positive
+from harness.targets import TARGET_PACKAGES, fields_of, target_problem, target_problems
+from harness.workloads import source_problems
 
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-COMPILE_MATCH = ("near_tie", "strict")  # how the compiled-vs-eager token check fails (harness/fast_path.py)
-COMPILE_BACKENDS = ("inductor", "zentorch")  # torch.compile backend of the decode step (harness/fast_path.py)
-
-
-def _positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        problems.append(f"{name}={value!r} must be a number")
-    elif value < 0 or (value == 0 and not allow_zero):
-        problems.append(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
-
-
-class _Validated:
-    """Mixin: `__post_init__` runs `problems()` and raises them all at once."""
-
-    _section = ""
-
-    def problems(self) -> list[str]:  # pragma: no cover - overridden
-        return []
-
-    def __post_init__(self) -> None:
-        found = self.problems()
-        if found:
-            raise ConfigError(found)
+# names other modules import from here (the schema's constants live in harness/schema.py)
+__all__ = ["COMPILE_BACKENDS", "COMPILE_MATCH", "COMPILE_MODES", "DEVICES", "DTYPES", "TARGET_PACKAGES",
+           "AccuracyConfig", "Experiment", "MeasureConfig", "RunConfig", "TrackingConfig", "build", "compose",
+           "register_configs", "target_problem", "to_plain"]
 
 
 @dataclass
-class MeasureConfig(_Validated):
+class MeasureConfig(Validated):
     """How speed is measured. Sized so the default experiment takes about a minute on 2 CPU cores."""
 
     warmup: int = 1  # discarded generations (first calls allocate, pick kernels, compile)
@@ -84,12 +70,12 @@ class MeasureConfig(_Validated):
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _positive(p, "measure.warmup", self.warmup, allow_zero=True)
-        _positive(p, "measure.repetitions", self.repetitions)
-        _positive(p, "measure.max_new_tokens", self.max_new_tokens)
-        _positive(p, "measure.threads", self.threads, allow_zero=True)
-        _positive(p, "measure.inject_slowdown", self.inject_slowdown, allow_zero=True)
-        _positive(p, "measure.inject_work", self.inject_work, allow_zero=True)
+        positive(p, "measure.warmup", self.warmup, allow_zero=True)
+        positive(p, "measure.repetitions", self.repetitions)
+        positive(p, "measure.max_new_tokens", self.max_new_tokens)
+        positive(p, "measure.threads", self.threads, allow_zero=True)
+        positive(p, "measure.inject_slowdown", self.inject_slowdown, allow_zero=True)
+        positive(p, "measure.inject_work", self.inject_work, allow_zero=True)
         for err in (one_of("measure.device", self.device, DEVICES),
                     one_of("measure.cache", self.cache, ("dynamic", "static"))):
             if err:
@@ -102,16 +88,14 @@ class MeasureConfig(_Validated):
             p.append(err)
         if self.compile and self.cache != "static":
             p.append("measure.compile=true needs fixed decode shapes: add measure.cache=static")
-        _positive(p, "measure.prompt_tokens", self.prompt_tokens, allow_zero=True)
-        _positive(p, "measure.context_depth", self.context_depth, allow_zero=True)
-        from harness.workloads import source_problems
-
+        positive(p, "measure.prompt_tokens", self.prompt_tokens, allow_zero=True)
+        positive(p, "measure.context_depth", self.context_depth, allow_zero=True)
         p.extend(source_problems(self))  # a missing/empty prompt file, a bad JSONL line (with its number)
         return p
 
 
 @dataclass
-class AccuracyConfig(_Validated):
+class AccuracyConfig(Validated):
     """Perplexity and agreement with the unquantized reference, on one corpus."""
 
     enabled: bool = True
@@ -141,10 +125,10 @@ class AccuracyConfig(_Validated):
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _positive(p, "accuracy.context_length", self.context_length)
-        _positive(p, "accuracy.stride", self.stride)
-        _positive(p, "accuracy.max_tokens", self.max_tokens, allow_zero=True)
-        _positive(p, "accuracy.kl_top_k", self.kl_top_k)
+        positive(p, "accuracy.context_length", self.context_length)
+        positive(p, "accuracy.stride", self.stride)
+        positive(p, "accuracy.max_tokens", self.max_tokens, allow_zero=True)
+        positive(p, "accuracy.kl_top_k", self.kl_top_k)
         if isinstance(self.stride, int) and isinstance(self.context_length, int) and self.stride > self.context_length:
             p.append(f"accuracy.stride={self.stride} must be <= accuracy.context_length={self.context_length}")
         if (err := one_of("accuracy.reference_dtype", self.reference_dtype, DTYPES)):
@@ -171,11 +155,9 @@ class AccuracyConfig(_Validated):
         p: list[str] = []
         if self.task_limit is not None and (not isinstance(self.task_limit, int) or self.task_limit <= 0):
             p.append(f"accuracy.task_limit={self.task_limit!r} must be > 0 (or null: every example)")
-        _positive(p, "accuracy.num_fewshot", self.num_fewshot, allow_zero=True)
-        _positive(p, "accuracy.task_batch_size", self.task_batch_size)
+        positive(p, "accuracy.num_fewshot", self.num_fewshot, allow_zero=True)
+        positive(p, "accuracy.task_batch_size", self.task_batch_size)
         if self.enabled and self.tasks:  # the task files' index, read now: not after the model loads
-            from harness import task_accuracy, tasks
-
             if not task_accuracy.installed():
                 p.append(task_accuracy.INSTALL_HINT)
             p.extend(tasks.problems(list(self.tasks)))
@@ -187,7 +169,7 @@ TASK_FIELDS = ("tasks", "task_limit", "num_fewshot", "task_seed", "task_batch_si
 
 
 @dataclass
-class TrackingConfig(_Validated):
+class TrackingConfig(Validated):
     """Where results go: a JSON per run (always) and MLflow (unless disabled)."""
 
     enabled: bool = True
@@ -202,8 +184,8 @@ class TrackingConfig(_Validated):
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        _positive(p, "tracking.retries", self.retries, allow_zero=True)
-        _positive(p, "tracking.timeout_s", self.timeout_s)
+        positive(p, "tracking.retries", self.retries, allow_zero=True)
+        positive(p, "tracking.timeout_s", self.timeout_s)
         if not self.experiment:
             p.append("tracking.experiment must not be empty")
         return p
@@ -231,8 +213,6 @@ class RunConfig:
 
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore (called by run.py and the tests)."""
-    from hydra.core.config_store import ConfigStore
-
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     cs.store(group="schema", name="measure", node=MeasureConfig)
@@ -255,81 +235,11 @@ class Experiment:
     config: dict  # the resolved config as plain data (params, config hash, child processes)
 
 
-# A `_target_` (from a YAML or an override) must name a class of these packages: config data never
-# chooses arbitrary code to run (os.system, builtins.eval, subprocess.Popen, a look-alike package ...).
-TARGET_PACKAGES = ("quantizers", "strategies", "harness")
-
-
-def _module_parts(parts: list[str]) -> int | None:
-    """How many leading `parts` name a module of our packages, found on disk without importing anything
-    (a package's `__init__` or a module's top level may run code; `__main__` runs a CLI). None: not ours."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(parts[0])  # a top-level name: located, not imported
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder, n = Path(next(iter(spec.submodule_search_locations))), 1
-    for part in parts[1:-1]:  # the last part is always the class (or an attribute of it)
-        if (folder / part / "__init__.py").is_file():
-            folder, n = folder / part, n + 1
-        elif (folder / f"{part}.py").is_file():
-            return n + 1
-        else:
-            break
-    return n
-
-
-def target_problem(where: str, target: Any) -> str | None:
-    """Why `target` may not be instantiated (None when it names a class defined in TARGET_PACKAGES).
-
-    The dotted path is checked before anything is imported: only public names (no `_x`, no `__main__`,
-    whose import runs a command line), in an allowed package, down to an existing module file; then only
-    that module is imported and the rest must lead to a class defined in the allowed packages.
-    """
-    import importlib
-    import inspect
-
-    rule = (f"{where}={target!r} is not allowed: a _target_ must name a class in this project's packages "
-            f"({', '.join(p + '.' for p in TARGET_PACKAGES)})")
-    parts = str(target).split(".") if isinstance(target, str) else []
-    if (len(parts) < 2 or parts[0] not in TARGET_PACKAGES or not all(p.isidentifier() for p in parts)
-            or any(p.startswith("_") for p in parts)):
-        return rule
-    n = _module_parts(parts)
-    if n is None:
-        return rule
-    module = ".".join(parts[:n])
-    try:
-        obj = importlib.import_module(module)
-    except ImportError as exc:  # one of our modules imports something that is missing
-        return f"{where}={target!r} could not be imported: {exc}"
-    for name in parts[n:]:
-        obj = getattr(obj, name, None)
-    if not inspect.isclass(obj) or str(obj.__module__).split(".")[0] not in TARGET_PACKAGES:
-        return rule  # a function, a module, or a class re-exported from elsewhere (harness.config.os.system)
-    return None
-
-
-def _target_problems(section: str, node: Any) -> list[str]:
-    """Every `_target_` in `node`, nested ones too (a draft quantizer inside a strategy), checked."""
-    if isinstance(node, dict):
-        out = [p for p in [target_problem(f"{section}._target_", node["_target_"])] if p] if "_target_" in node else []
-        for key, value in node.items():
-            out += _target_problems(f"{section}.{key}", value)
-        return out
-    if isinstance(node, list):
-        return [p for i, v in enumerate(node) for p in _target_problems(f"{section}[{i}]", v)]
-    return []
-
-
 def _instantiate(section: str, node: Any, problems: list[str]) -> Any:
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
     if node is None or (isinstance(node, dict) and "_target_" not in node):
         problems.append(f"{section}: no option chosen; pick one with {section}=<option> (see conf/{section}/)")
         return None
-    if (bad := _target_problems(section, node)):
+    if (bad := target_problems(section, node)):
         problems.extend(bad)
         return None
     try:
@@ -341,7 +251,7 @@ def _instantiate(section: str, node: Any, problems: list[str]) -> Any:
         elif isinstance(cause, TypeError) and "unexpected keyword argument" in str(cause):
             key = str(cause).rsplit("argument", 1)[-1].strip(" '")
             target = node.get("_target_", "?")
-            allowed = _fields_of(target)
+            allowed = fields_of(target)
             problems.append(f"{section}.{key} is not a known key for {target.rsplit('.', 1)[-1]}; "
                             f"allowed: {', '.join(allowed)}")
         else:
@@ -349,19 +259,6 @@ def _instantiate(section: str, node: Any, problems: list[str]) -> Any:
     except ConfigError as exc:
         problems.extend(exc.problems)
     return None
-
-
-def _fields_of(target: str) -> list[str]:
-    import importlib
-
-    if target_problem("_target_", target):  # never import what the allow-list refuses, not even for a message
-        return []
-    mod, _, name = target.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(mod), name)
-        return [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
-    except Exception:  # noqa: BLE001 - only used to enrich an error message
-        return []
 
 
 def _section(cls: type, node: Any, problems: list[str]) -> Any:
@@ -412,10 +309,6 @@ def build(cfg: DictConfig | dict) -> Experiment:
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
     """Compose the project config in-process (tests, the gate, benchmarks)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     register_configs()
     conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
     GlobalHydra.instance().clear()

@@ -10,10 +10,12 @@ never after the numbers it would have come with.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
 
+from harness import hub
 from harness.errors import QuantbenchError
 
 BUILTIN_CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -49,8 +51,6 @@ def _split(spec: str) -> tuple[str, str | None, str]:
 
 def check(spec: str, field: str = "accuracy.corpus") -> None:
     """Raise a one-line QuantbenchError unless `spec` can be read (see module docstring); no download."""
-    from harness import hub
-
     if (problem := file_problem(field, spec)):
         raise QuantbenchError(problem)
     if kind(spec) != "dataset":
@@ -59,19 +59,10 @@ def check(spec: str, field: str = "accuracy.corpus") -> None:
     if hub.dataset_cached(name):
         return
     fix = f"give a local text file ({field}=/path/to/text.txt) or 'builtin'"
-    import importlib.util
-
     if importlib.util.find_spec("datasets") is None:
         raise QuantbenchError(f"{field}={spec!r} looks like an HF datasets id but 'datasets' is not installed; "
                               f"pip install datasets, or {fix}")
-    answer = hub.probe(name, "dataset")
-    if answer == "missing":
-        raise QuantbenchError(f"{field}={spec!r}: the hub has no dataset {name!r} (or it is gated); check the id, "
-                              f"or {fix}")
-    if answer != "ok":
-        raise QuantbenchError(f"{field}={spec!r} is not in the local HF datasets cache ({hub.datasets_cache()}) "
-                              f"and the hub is unreachable ({answer.split(': ', 1)[-1]}); {fix}, or load the "
-                              "dataset once where the hub is reachable")
+    hub.require(name, "dataset", setting=f"{field}={spec!r}", fix=fix)
 
 
 def load(spec: str) -> str:

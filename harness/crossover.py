@@ -21,9 +21,10 @@ costs speed. Used by harness/report.py for any sweep whose cells vary batch size
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
+
+from harness.metrics import value
 
 
 # ------------------------------------------------------------------------------------------ flop model
@@ -57,29 +58,22 @@ def flop_metrics(config: Any, params: float, gens: list[Any], depth: int) -> dic
         rows = max(1, len(g.sequences))
         n = g.prompt_tokens / rows
         flops += rows * ((per_token - head) * n + head + attn * (n * depth + n * (n + 1) / 2.0))
-        secs += g.ttft_s
+        secs += g.prompt_s  # prefill time (harness/measure.py: TTFT unless a strategy records prefill_s)
     out = {"flops_per_token": per_token, "attn_flops_per_token_ctx": attn}
     if secs > 0:
         out["prefill_flops_per_s"] = flops / secs
     return out
 
 
-def _num(m: dict, key: str) -> float | None:
-    try:
-        v = float(m.get(key))
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
 def predicted_tokens_per_s(m: dict, compute_ceiling: float | None) -> float | None:
     """Decode tokens/s a cell can reach under both ceilings (None without the roofline metrics)."""
-    step_bytes, bw = _num(m, "bytes_per_step"), _num(m, "bandwidth_gb_per_s")
-    batch = _num(m, "batch_size") or 1.0
+    step_bytes, bw = value(m, "bytes_per_step"), value(m, "bandwidth_gb_per_s")
+    batch = value(m, "batch_size") or 1.0
     if not step_bytes or not bw:
         return None
     t = step_bytes / (bw * 1e9)
-    per_token, attn, ctx = _num(m, "flops_per_token"), _num(m, "attn_flops_per_token_ctx"), _num(m, "kv_context_mean")
+    per_token, attn = value(m, "flops_per_token"), value(m, "attn_flops_per_token_ctx")
+    ctx = value(m, "kv_context_mean")
     if compute_ceiling and per_token is not None and attn is not None:
         t = max(t, batch * (per_token + attn * (ctx or 0.0)) / compute_ceiling)
     return batch / t
@@ -88,10 +82,10 @@ def predicted_tokens_per_s(m: dict, compute_ceiling: float | None) -> float | No
 # ----------------------------------------------------------------------------------------------- table
 def points(rows: list[dict], baseline: str) -> dict[str, list[dict]]:
     """Per non-baseline quantizer: (batch, depth, measured ratio, predicted ratio) against the baseline."""
-    ok = [r for r in rows if r["status"] == "OK" and _num(r["metrics"], "decode_tokens_per_s")]
+    ok = [r for r in rows if r["status"] == "OK" and value(r["metrics"], "decode_tokens_per_s")]
     ceiling: dict[str, float] = {}
     for r in ok:
-        f = _num(r["metrics"], "prefill_flops_per_s")
+        f = value(r["metrics"], "prefill_flops_per_s")
         if f:
             ceiling[r["quantizer"]] = max(f, ceiling.get(r["quantizer"], 0.0))
     base = {(r["strategy"], r["batch"], r["depth"]): r for r in ok if r["quantizer"] == baseline}
@@ -104,10 +98,10 @@ def points(rows: list[dict], baseline: str) -> dict[str, list[dict]]:
         theirs = predicted_tokens_per_s(b["metrics"], ceiling.get(baseline))
         out.setdefault(r["quantizer"], []).append({
             "batch": r["batch"], "depth": r["depth"],
-            "measured": _num(r["metrics"], "decode_tokens_per_s") / _num(b["metrics"], "decode_tokens_per_s"),
+            "measured": value(r["metrics"], "decode_tokens_per_s") / value(b["metrics"], "decode_tokens_per_s"),
             "predicted": mine / theirs if mine and theirs else None,
-            "memory_only": (_num(b["metrics"], "bytes_per_step") / _num(r["metrics"], "bytes_per_step")
-                            if _num(r["metrics"], "bytes_per_step") and _num(b["metrics"], "bytes_per_step")
+            "memory_only": (value(b["metrics"], "bytes_per_step") / value(r["metrics"], "bytes_per_step")
+                            if value(r["metrics"], "bytes_per_step") and value(b["metrics"], "bytes_per_step")
                             else None)})
     for q in out:
         out[q].sort(key=lambda p: (p["depth"], p["batch"]))

@@ -1,31 +1,33 @@
-"""Engines: what executes an experiment. `transformers` (default) runs PyTorch models through
-quantbench's own timed decode loop; other engines (e.g. llama.cpp) plug in with the same `execute()`
-contract and return the same metric names.
+"""Engines: what executes an experiment. `transformers` (default) runs PyTorch models through quantbench's own
+timed decode loop (the chosen strategy); other engines (llama.cpp: harness/llama_cpp.py) plug into the same
+pipeline (harness/run/pipeline.py) through a `Session` (harness/run/hooks.py) and record the same metric names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from harness import measure, run_log, third_party_output
+from harness import (
+    accuracy,
+    fast_path,
+    kernels,
+    measure,
+    memory,
+    roofline,
+    task_accuracy,
+    third_party_output,
+    workloads,
+)
 from harness.config import Experiment
-from harness.energy import EnergyMeter
-from harness.workloads import encode_prompts  # noqa: F401 - re-exported (gate, benchmarks, tests)
+from harness.run.hooks import Outcome, Record, Session
+from harness.workloads import encode_prompts  # noqa: F401 - re-exported (benchmarks, tests)
+from strategies.decode import DepthContext
 
-log = logging.getLogger("quantbench")
-
-
-@dataclass
-class Outcome:
-    """What an engine measured: metrics, tags and sample generations."""
-
-    metrics: dict
-    tags: dict
-    samples: list[dict]
+__all__ = ["Outcome", "TransformersEngine", "TransformersSession", "encode_prompts"]
 
 
 @dataclass
@@ -40,140 +42,112 @@ class TransformersEngine:
         exp.model.preflight()
         exp.quantizer.preflight(device)
         exp.strategy.preflight()
-        from harness import fast_path
-
         fast_path.preflight(exp, device)  # compile=true with a non-compilable quantizer fails here, before loading
 
     def memory_estimate(self, exp: Experiment, device: str) -> Any:
         """The peak this run needs, before anything loads (harness/memory.py)."""
-        from harness import memory
-
         return memory.transformers_estimate(exp, device)
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
         """The workload against the model and strategy (harness/workloads.py), at config time."""
-        from harness import workloads
-
         if measure is not None and parts.get("model") is not None:
             workloads.check(parts["model"], measure, parts.get("strategy"))
 
-    def execute(self, exp: Experiment, device: str) -> Outcome:
-        from harness import accuracy as acc
-        from harness.models import load_tokenizer
-        from strategies.base import DecodeOptions
+    def open(self, exp: Experiment, device: str, threads: int) -> TransformersSession:
+        """One run's state (harness/run/hooks.py); nothing loads until the pipeline asks."""
+        return TransformersSession(exp, device, threads)
 
-        m, metrics, tags = exp.measure, {}, {}
-        tokenizer = load_tokenizer(exp.model)
-        from harness import workloads
 
-        wl = workloads.resolve(m, tokenizer)  # measure.prompts as ids; exact lengths checked before any weights load
-        workloads.check_resolved(wl, exp.model)
-        reference = None
-        if exp.accuracy.enabled and exp.accuracy.kl:
-            # before the run's model loads: the reference model is freed before peak memory is tracked
-            reference, hit = acc.ensure_reference(exp.model, tokenizer, exp.accuracy, device)
-            tags["reference_cache"] = "hit" if hit else "miss"
-            metrics["reference_perplexity"] = float(reference["perplexity"][0])
-            gc.collect()
-        task_plan = None
-        if exp.accuracy.enabled and exp.accuracy.tasks:  # the reference's task answers, cached (task_accuracy.py)
-            from harness import task_accuracy
+class TransformersSession(Session):
+    """The transformers engine's hooks: the quantizer loads the model, the strategy decodes it."""
 
-            with third_party_output(run_log(exp.tracking.results_dir)):
-                task_plan = task_accuracy.prepare(exp.model, tokenizer, exp.accuracy, device)
-            gc.collect()
+    def __init__(self, exp: Experiment, device: str, threads: int):
+        self.exp, self.device, self.threads = exp, device, threads
+        self.label = exp.quantizer.name
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.reference: dict | None = None
+        self.fast: fast_path.FastPath | None = None
+        self.decoding = False
 
-        tags["peak_mem_reset"] = str(measure.reset_peak_memory(device))
-        log_file = run_log(exp.tracking.results_dir)  # what libraries print while loading goes here, not to stdout
+    def references(self, tokenizer: Any) -> Record:
+        cfg = self.exp.accuracy
+        if not (cfg.enabled and cfg.kl):
+            return {}, {}
+        # before the run's model loads: the reference model is freed before peak memory is tracked
+        self.reference, hit = accuracy.ensure_reference(self.exp.model, tokenizer, cfg, self.device)
+        gc.collect()
+        return ({"reference_perplexity": float(self.reference["perplexity"][0])},
+                {"reference_cache": "hit" if hit else "miss"})
+
+    def load(self, tokenizer: Any, workload: Any, log_file: Path) -> Record:
+        exp, self.tokenizer = self.exp, tokenizer
         t0 = measure.now()
         with third_party_output(log_file):
-            model = exp.quantizer.load(exp.model, tokenizer=tokenizer, device=device, experiment=exp)
-        metrics["load_s"] = measure.now() - t0
-        audit = exp.quantizer.audit(model)
-        tags["kernel_path"] = audit.pop("kernel_path")
+            self.model = exp.quantizer.load(exp.model, tokenizer=tokenizer, device=self.device, experiment=exp)
+        metrics = {"load_s": measure.now() - t0}
+        self.model_config = self.model.config
+        audit = exp.quantizer.audit(self.model)
+        tags = {"kernel_path": audit.pop("kernel_path")}
         metrics.update(audit)
         metrics.update(getattr(exp.quantizer, "last_metrics", {}) or {})
         tags.update(getattr(exp.quantizer, "last_tags", {}) or {})
+        return metrics, tags
 
-        opts = DecodeOptions(device=device, max_new_tokens=wl.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id, stop_at_eos=m.stop_at_eos,
-                             inject_slowdown=m.inject_slowdown, inject_work=m.inject_work, cache=m.cache)
-        if wl.context:  # measure.context_depth: prefilled untimed, reused across calls (strategies/decode.py)
-            from strategies.decode import DepthContext
-
-            opts.context = DepthContext(wl.context)
+    def prepare(self, opts: Any, workload: Any, batches: list, log_file: Path) -> Record:
+        exp = self.exp
+        if workload.context:  # measure.context_depth: prefilled untimed, reused across calls (strategies/decode.py)
+            opts.context = DepthContext(workload.context)
         with third_party_output(log_file):  # a draft model loads here
-            exp.strategy.setup(model=model, tokenizer=tokenizer, opts=opts, experiment=exp)
-        if log_file.exists():
-            tags["log_file"] = str(log_file)
+            exp.strategy.setup(model=self.model, tokenizer=self.tokenizer, opts=opts, experiment=exp)
+        self.decoding = True
+        path = fast_path.preflight(exp, self.device)  # compiled | eager | eager-fallback
+        tags = {"fast_path": path}
+        self.fast = fast_path.prepare(exp, self.model, opts, batches, path)  # compiles (untimed: metric compile_s)
+        if self.fast is not None:
+            tags["fast_path.attention"] = ("sdpa, packed GQA" if self.fast.packed_gqa
+                                           else self.model.config._attn_implementation)
+        return {}, tags
+
+    def timing(self) -> contextlib.AbstractContextManager:
+        return self.fast.timing() if self.fast else contextlib.nullcontext()  # a recompile here fails the run
+
+    def generate(self, batch: list[list[int]], opts: Any) -> measure.Generation:
+        return self.exp.strategy.generate(self.model, batch, opts)
+
+    def after_timing(self, batches: list, opts: Any, gens: list[measure.Generation]) -> Record:
+        if not self.fast:
+            return {}, {}
+        m = self.exp.measure
+        metrics = {"compile_s": self.fast.compile_s}
+        metrics.update(fast_path.check_match(self.exp.strategy, self.model, batches, opts, gens, m.compile_match))
+        return metrics, {"measure.compile_match": m.compile_match}
+
+    def kernel_profile(self, batch: list[list[int]], opts: Any, log_file: Path) -> Record:
+        with third_party_output(log_file):  # kineto prints USDT profiler_start/stop lines from C++
+            tags, metrics = kernels.profile_linear(self.exp.strategy, self.model, batch, opts)
+        return metrics, tags
+
+    def end_decoding(self) -> None:
+        if self.decoding:
+            self.decoding = False
+            self.exp.strategy.teardown()
+
+    def shape(self) -> roofline.ModelShape:
+        return roofline.shape_from_torch(self.model)
+
+    def score(self, tokenizer: Any) -> dict[str, float]:
+        cfg = self.exp.accuracy
+        ids = accuracy.corpus_tokens(tokenizer, cfg.corpus, cfg.max_tokens)
+        scores = accuracy.score(self.model, ids, cfg, self.device, reference=self.reference, progress=True)
+        return {k: v for k, v in scores.items() if k != "record"}
+
+    def task_lm(self, tokenizer: Any) -> Any:
+        return task_accuracy.hf_lm(self.model, tokenizer, self.exp.accuracy.task_batch_size)
+
+    def close(self) -> None:
         try:
-            prompts = wl.prompts
-            batches = exp.strategy.batches(prompts)
-            from harness import fast_path
-
-            path = fast_path.preflight(exp, device)  # compiled | eager | eager-fallback
-            tags["fast_path"] = path
-            fast = fast_path.prepare(exp, model, opts, batches, path)  # compiles (untimed: metric compile_s)
-            if fast is not None:
-                tags["fast_path.attention"] = "sdpa, packed GQA" if fast.packed_gqa else model.config._attn_implementation
-            opts_for = wl.opts_for(opts)  # per-prompt max_new_tokens (JSONL): a batch decodes its longest
-            for _ in range(m.warmup):
-                for batch in batches:
-                    exp.strategy.generate(model, batch, opts_for(batch))
-            gens = []
-            meter = EnergyMeter(device)  # NVML on CUDA, RAPL on CPU where readable (harness/energy.py)
-            meter.start()
-            with fast.timing() if fast else contextlib.nullcontext():  # a recompile here fails the run
-                for _ in range(m.repetitions):
-                    for batch in batches:
-                        gens.append(exp.strategy.generate(model, batch, opts_for(batch)))
-            joules = meter.stop()
-            if fast:
-                metrics["compile_s"] = fast.compile_s
-                metrics.update(fast_path.check_match(exp.strategy, model, batches, opts, gens, m.compile_match))
-                tags["measure.compile_match"] = m.compile_match
-            metrics.update(measure.summarize(gens))
-            meter.record(joules, metrics["generated_tokens"], metrics, tags)
-            metrics.update(workloads.metrics(wl, gens, model.config, metrics.get("params")))
-            tags.update(workloads.record(wl))
-            metrics.update(exp.strategy.metrics(gens))
-            metrics.update(getattr(exp.strategy, "last_metrics", {}) or {})
-            if m.kernel_profile:  # which linear kernel really ran (tag kernel.linear), outside the timing
-                from harness import kernels
-
-                with third_party_output(log_file):  # kineto prints USDT profiler_start/stop lines from C++
-                    ktags, kmetrics = kernels.profile_linear(exp.strategy, model, batches[0], opts_for(batches[0]))
-                tags.update(ktags)
-                metrics.update(kmetrics)
+            self.end_decoding()
         finally:
-            exp.strategy.teardown()
-        metrics["peak_mem_mb"] = measure.peak_memory_mb(device)
-        from harness import roofline  # after peak memory: the first bandwidth measurement allocates ~1 GB
-
-        roofline.annotate_torch_run(metrics, tags, exp, model, batches, gens, device)
-        if metrics.get("decode_tokens_per_s_cv", 0.0) > m.cv_warn:
-            tags["warning.spread"] = (f"decode tokens/s CV {metrics['decode_tokens_per_s_cv']:.1%} > "
-                                      f"{m.cv_warn:.0%}: noisy machine? raise measure.repetitions")
-            log.warning(tags["warning.spread"])
-
-        samples = []
-        for batch, gen in zip(batches, gens[: len(batches)], strict=True):
-            for prompt, seq in zip(batch, gen.sequences, strict=True):
-                cut = seq.index(opts.eos_token_id) if opts.eos_token_id in seq else len(seq)
-                samples.append({"prompt": tokenizer.decode(prompt, skip_special_tokens=False),
-                                "output": tokenizer.decode(seq[:cut], skip_special_tokens=True),
-                                "tokens": seq})
-
-        if exp.accuracy.enabled:
-            ids = acc.corpus_tokens(tokenizer, exp.accuracy.corpus, exp.accuracy.max_tokens)
-            scores = acc.score(model, ids, exp.accuracy, device, reference=reference, progress=True)
-            metrics.update({k: v for k, v in scores.items() if k != "record"})
-        if task_plan is not None:  # lm-eval on this model object: the quantized model is not reloaded
-            with third_party_output(log_file):
-                lm = task_accuracy.hf_lm(model, tokenizer, exp.accuracy.task_batch_size)
-                task_metrics, task_tags = task_accuracy.score(lm, task_plan, exp.accuracy)
-            metrics.update(task_metrics)
-            tags.update(task_tags)
-        del model
-        gc.collect()
-        return Outcome(metrics=metrics, tags=tags, samples=samples)
+            self.model = self.fast = self.reference = None
+            gc.collect()

@@ -10,6 +10,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+# torch is imported where used: env is read by CLI paths (report, sweep resume keys) that never load a model
+# (tests/test_layout.py, LAZY_OK).
+
 REPO = Path(__file__).resolve().parent.parent
 LIBRARIES = ("torch", "transformers", "bitsandbytes", "torchao", "optimum-quanto", "optimum", "gptqmodel",
              "hqq", "llama_cpp_python", "accelerate", "mlflow", "hydra-core")

@@ -37,6 +37,7 @@ each decode step so an output is never read after the next replay overwrote it.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -44,11 +45,14 @@ from typing import Any
 
 import torch
 
-from harness import measure, near_tie
+from harness import env, measure, near_tie  # env.cpu_info looked up per call: tests patch it
 from harness.config import COMPILE_MODES
 from harness.errors import QuantbenchError
 from harness.near_tie import NEAR_TIE_ULPS, ulp  # noqa: F401 - shared with speculative decoding; ulp re-exported
 from harness.near_tie import first_diff as _first_diff
+
+# transformers' attention internals and zentorch (optional) are imported where used: only a compiled run needs them
+# (tests/test_layout.py, LAZY_OK).
 
 log = logging.getLogger("quantbench")
 
@@ -73,6 +77,9 @@ def preflight(exp: Any, device: str) -> str:
     m = exp.measure
     if not m.compile:
         return "eager"
+    if not exp.strategy.stepwise:  # a capability (strategies/base.py): the compiled step is decode.py's
+        raise QuantbenchError(f"measure.compile=true compiles the decode step of strategies/decode.py, and strategy "
+                              f"{exp.strategy.name} runs its own loop; drop measure.compile or use strategy=greedy")
     if device == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")):
         raise QuantbenchError("measure.compile=true on CPU needs a C++ compiler (torch inductor compiles C++ kernels); "
                               "apt-get install g++ (scripts/setup.sh does), or drop measure.compile")
@@ -100,18 +107,14 @@ def backend_blocker(backend: str, device: str) -> str:
     if backend == "inductor":
         return ""
     if backend == "zentorch":
-        import importlib.util
-
-        from harness.env import cpu_info
-
         if not device.startswith("cpu"):
             return "measure.compile_backend=zentorch is a CPU backend; use measure.compile_backend=inductor on " + device
         if importlib.util.find_spec("zentorch") is None:
             return ("measure.compile_backend=zentorch needs AMD's zentorch plugin (pip install zentorch==2.13.0.2, "
                     "matching torch 2.13); or use measure.compile_backend=inductor")
-        if "avx512f" not in cpu_info().flags:
+        if "avx512f" not in env.cpu_info().flags:
             return (f"measure.compile_backend=zentorch optimizes only on AVX-512 CPUs and this one is "
-                    f"{cpu_info().isa} (zentorch would run plain inductor); use measure.compile_backend=inductor")
+                    f"{env.cpu_info().isa} (zentorch would run plain inductor); use measure.compile_backend=inductor")
         return ""
     return f"measure.compile_backend={backend!r} is not allowed; choose one of: inductor, zentorch"
 

@@ -29,6 +29,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from harness.random_weights import first_id, values
+
+# torch and gguf are imported where used: only engine=llama_cpp with model=random writes a GGUF (tests/test_layout.py,
+# LAZY_OK).
+
 LAYER_NAMES = {  # HF name inside a decoder layer -> GGUF name inside blk.N
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
@@ -104,18 +111,16 @@ def _metadata(w: Any, arch: str, cfg: dict, name: str) -> None:
 def _tokenizer(w: Any, cfg: dict) -> None:
     from gguf import TokenType
 
-    from harness.random_model import _first
-
     n = int(cfg["vocab_size"])
-    special = {i for i in (_first(cfg.get("bos_token_id")), _first(cfg.get("eos_token_id")),
-                           _first(cfg.get("pad_token_id"))) if i is not None and i < n}
+    special = {i for i in (first_id(cfg.get("bos_token_id")), first_id(cfg.get("eos_token_id")),
+                           first_id(cfg.get("pad_token_id"))) if i is not None and i < n}
     w.add_tokenizer_model("llama")
     w.add_token_list([f"<t{i}>" for i in range(n)])
     w.add_token_scores([0.0] * n)
     w.add_token_types([TokenType.CONTROL if i in special else TokenType.NORMAL for i in range(n)])
-    if (bos := _first(cfg.get("bos_token_id"))) is not None:
+    if (bos := first_id(cfg.get("bos_token_id"))) is not None:
         w.add_bos_token_id(bos)
-    if (eos := _first(cfg.get("eos_token_id"))) is not None:
+    if (eos := first_id(cfg.get("eos_token_id"))) is not None:
         w.add_eos_token_id(eos)
     w.add_add_bos_token(False)  # the workload's ids are fed as they are, as to transformers
 
@@ -134,11 +139,8 @@ def plan(source: Any) -> list[tuple[str, str, tuple[int, ...]]]:
 
 def write_gguf(source: Any, path: Path) -> Path:
     """Write the source's weights as a BF16 GGUF at `path` (atomically: a temporary file, then a rename)."""
-    import numpy as np
     import torch
     from gguf import GGMLQuantizationType, GGUFWriter
-
-    from harness.random_model import values
 
     cfg = source.config
     arch = cfg["model_type"]

@@ -16,6 +16,8 @@ import functools
 import os
 from pathlib import Path
 
+from harness.errors import QuantbenchError
+
 PROBE_TIMEOUT_S = 5.0  # a hub that does not answer in this time counts as unreachable
 
 
@@ -76,6 +78,24 @@ def probe(repo_id: str, repo_type: str = "model", revision: str | None = None) -
     except Exception as exc:  # noqa: BLE001 - DNS, refused, timeout, proxy: the hub cannot be reached
         return f"unreachable: {type(exc).__name__}"
     return "ok"
+
+
+def require(repo_id: str, repo_type: str, *, setting: str, fix: str, revision: str | None = None) -> None:
+    """Raise a one-line QuantbenchError unless the hub answers for a repo that is not in the local cache.
+
+    `setting` names what the user wrote (`accuracy.corpus='owner/name'`), `fix` what to do instead (`pass a
+    local directory`); the message says whether the hub lacks the repo or cannot be reached.
+    """
+    answer = probe(repo_id, repo_type, revision)
+    if answer == "ok":
+        return
+    if answer == "missing":
+        rev = f" (revision {revision!r})" if revision else ""
+        raise QuantbenchError(f"{setting}: the hub has no {repo_type} {repo_id!r}{rev}, or it is gated; check the "
+                              f"id, or {fix}")
+    cache = f"HF datasets cache ({datasets_cache()})" if repo_type == "dataset" else f"HF cache ({hub_cache()})"
+    raise QuantbenchError(f"{setting} is not in the local {cache} and the hub is unreachable "
+                          f"({answer.split(': ', 1)[-1]}); {fix}, or fetch it once where the hub is reachable")
 
 
 def clear_cache() -> None:

@@ -23,6 +23,8 @@ import dataclasses
 import logging
 from typing import Any
 
+# torch.profiler is imported where used: only a profiled run needs it (tests/test_layout.py, LAZY_OK).
+
 log = logging.getLogger("quantbench")
 
 PROFILE_TOKENS = 4  # decode steps profiled (after one untimed prefill)
@@ -107,10 +109,12 @@ def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
             state["steps"] += 1
         return logits.argmax(-1)
 
+    whole = not strategy.stepwise  # a capability (strategies/base.py): only decode.py's loop calls `choose`
     try:
-        short = dataclasses.replace(opts, max_new_tokens=tokens + 1, choose=choose)
-        strategy.generate(model, batch, short)
-        whole = not state["started"]
+        if not whole:
+            short = dataclasses.replace(opts, max_new_tokens=tokens + 1, choose=choose)
+            strategy.generate(model, batch, short)
+            whole = not state["started"]
         if whole:  # the strategy runs its own loop: profile the whole (short) generation
             short = dataclasses.replace(opts, max_new_tokens=tokens + 1)
             prof.start()

@@ -12,7 +12,9 @@ Decoding uses llama.cpp's own batch/decode calls through `Llama.eval` with `logi
 reads the last position's logits with `llama_get_logits_ith(ctx, -1)`: in llama-cpp-python 0.3.36
 `eval` no longer fills `Llama.scores` in that mode (argmax over it silently picks token 0). Every step
 is timed on the host clock around eval + logits + argmax, like the transformers loop (llama.cpp on CPU
-is synchronous). Perplexity requests logits for every position of a window (one decode per window).
+is synchronous), and the decode phase as a whole by the wall clock from the first token on the host to
+the last (`Generation.decode_wall_s`: decode tokens/s). Perplexity requests logits for every position of
+a window (one decode per window).
 
 Formats: `engine.format=gguf` runs the file as shipped; F32, BF16, F16, Q8_0, Q4_0, Q4_1 convert it with
 `llama_model_quantize(allow_requantize=True)` into the cache (seconds for a 135M model). Requantizing
@@ -26,15 +28,20 @@ import gc
 import importlib.util
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import measure, run_log, third_party_output
+import numpy as np
+
+from harness import accuracy, llama_cpp_lm, measure, memory, third_party_output, workloads
+from harness.cache import cache_root, file_key, require_free, short_hash
 from harness.config import Experiment
-from harness.energy import EnergyMeter
-from harness.engines import Outcome, encode_prompts  # noqa: F401 - encode_prompts re-exported (tests)
 from harness.errors import ConfigError, QuantbenchError, one_of
+from harness.roofline import ModelShape, shape_from_gguf
+from harness.run.hooks import Record, Session
+from harness.workloads import encode_prompts  # noqa: F401 - re-exported (tests)
 
 log = logging.getLogger("quantbench")
 
@@ -55,9 +62,7 @@ def converted_path(src: Path, fmt: str) -> Path:
     """Where `convert` caches `src` in format `fmt` (the source file itself for gguf)."""
     if FORMATS[fmt] is None:
         return src
-    import llama_cpp
-
-    from harness.models import cache_root, file_key, short_hash
+    import llama_cpp  # optional extra: loads the native library
 
     return cache_root() / "gguf" / f"{src.stem}-{fmt}-{short_hash(file_key(src), llama_cpp.__version__)}.gguf"
 
@@ -66,10 +71,8 @@ def convert(src: Path, fmt: str, threads: int) -> Path:
     """The GGUF in llama.cpp format `fmt`, converted once and cached (atomic rename)."""
     if FORMATS[fmt] is None:
         return src
-    import llama_cpp
-    from gguf import GGUFReader
-
-    from harness.models import require_free
+    import llama_cpp  # optional extra
+    from gguf import GGUFReader  # only the llama.cpp paths need it
 
     reader = GGUFReader(str(src))
     field = reader.fields.get("general.file_type")
@@ -136,15 +139,13 @@ class LlamaCppEngine:
             raise QuantbenchError(f"engine=llama_cpp needs a GGUF model; model {getattr(model, 'name', '?')} has "
                                   "none: use model=smollm2_135m or model=gguf model.path=/path/to/model.gguf")
         strategy = parts.get("strategy")
-        if strategy is not None and (strategy.name.lower() != "greedy" or strategy.batch_size != 1):
+        if strategy is not None and (not strategy.supports_llama_cpp or strategy.batch_size != 1):
             raise QuantbenchError(f"engine=llama_cpp decodes greedily at batch 1; strategy={strategy.name} is not "
                                   "supported: use strategy=greedy")
         if measure is not None and (measure.compile or measure.cache != "dynamic"):
             raise QuantbenchError("engine=llama_cpp has its own kernels and KV cache: measure.compile and "
                                   "measure.cache=static apply to engine=transformers only")
         if measure is not None and model is not None:
-            from harness import workloads
-
             workloads.check(model, measure, strategy)  # prompt file, lengths vs the GGUF's context_length
 
     def preflight(self, exp: Experiment, device: str) -> None:
@@ -160,8 +161,6 @@ class LlamaCppEngine:
 
     def memory_estimate(self, exp: Experiment, device: str) -> Any:
         """The peak this run needs (harness/memory.py): the format's file, the KV cache of n_ctx, buffers."""
-        from harness import memory
-
         src = Path(exp.model.gguf_path)
         converted = converted_path(src, self.format) if src.is_file() else None
         n_ctx, n_batch = self._context(exp)
@@ -169,160 +168,134 @@ class LlamaCppEngine:
 
     def _context(self, exp: Experiment) -> tuple[int, int]:
         """(n_ctx, n_batch) before the tokenizer runs: synthetic lengths are exact, text prompts bounded."""
-        from harness.memory import context_positions
-
         m, acc = exp.measure, exp.accuracy
-        n_ctx = max(context_positions(m), acc.context_length if acc.enabled else 0)
+        n_ctx = max(memory.context_positions(m), acc.context_length if acc.enabled else 0)
         return n_ctx, max(self.n_batch, acc.context_length if acc.enabled else 0)
 
-    def execute(self, exp: Experiment, device: str) -> Outcome:
-        import llama_cpp
-        import numpy as np
-        import torch
+    def open(self, exp: Experiment, device: str, threads: int) -> LlamaCppSession:
+        """One run's state (harness/run/hooks.py); nothing loads until the pipeline asks."""
+        return LlamaCppSession(self, exp, threads)
 
-        from harness import accuracy as acc
-        from harness import roofline
-        from harness.models import load_tokenizer
 
-        m, metrics, tags = exp.measure, {}, {}
-        threads = torch.get_num_threads()  # the runner set it from measure.threads
-        tokenizer = load_tokenizer(exp.model)  # same ids as the transformers engine
-        from harness import workloads
+class LlamaCppSession(Session):
+    """The llama.cpp engine's hooks: convert and load the GGUF, decode greedily at batch 1 (module docstring)."""
 
-        wl = workloads.resolve(m, tokenizer)  # the same ids (and depth context) as engine=transformers
-        workloads.check_resolved(wl, exp.model)
-        prompts, depth = wl.prompts, wl.depth
-        need = depth + max(len(p) + lim for p, lim in zip(prompts, wl.limits, strict=True))
+    def __init__(self, engine: LlamaCppEngine, exp: Experiment, threads: int):
+        self.engine, self.exp, self.threads = engine, exp, threads
+        self.label = engine.label
+        self.llm: Any = None
+        self.gguf: Path | None = None
+        self.model_shape: ModelShape | None = None
+        self.depth = 0
+
+    def load(self, tokenizer: Any, workload: Any, log_file: Path) -> Record:
+        import llama_cpp  # optional extra (checked in preflight)
+
+        exp, fmt, wl = self.exp, self.engine.format, workload
+        self.eos = tokenizer.eos_token_id
+        need = wl.depth + max(len(p) + lim for p, lim in zip(wl.prompts, wl.limits, strict=True))
         if exp.accuracy.enabled:
             need = max(need, exp.accuracy.context_length)
-        task_plan = None
-        if exp.accuracy.enabled and exp.accuracy.tasks:  # the reference's answers (transformers, fp32), cached
-            from harness import task_accuracy
-
-            with third_party_output(run_log(exp.tracking.results_dir)):
-                task_plan = task_accuracy.prepare(exp.model, tokenizer, exp.accuracy, device)
-            gc.collect()
-
-        tags["peak_mem_reset"] = str(measure.reset_peak_memory(device))
-        log_file = run_log(exp.tracking.results_dir)  # llama.cpp's quantizer lists every tensor: to the log file
+        metrics, tags = {}, {}
         t0 = measure.now()
         src = Path(exp.model.gguf_path)
         if not src.is_file():  # random weights: the float GGUF is written once per preset and seed (cached)
             exp.model.make_gguf()
             metrics["gguf_write_s"] = measure.now() - t0
-        fresh = not converted_path(src, self.format).is_file() and FORMATS[self.format] is not None
+        fresh = not converted_path(src, fmt).is_file() and FORMATS[fmt] is not None
         tags["gguf_cache"] = "miss" if fresh or "gguf_write_s" in metrics else "hit"
         t1 = measure.now()
-        with third_party_output(log_file):
-            gguf = convert(src, self.format, threads)
+        with third_party_output(log_file):  # llama.cpp's quantizer lists every tensor: to the log file
+            self.gguf = gguf = convert(src, fmt, self.threads)
         if fresh:
             metrics["quantize_s"] = measure.now() - t1  # llama.cpp's own quantizer (llama_model_quantize)
-        tags["engine.format"] = self.format
-        n_batch = max(self.n_batch, exp.accuracy.context_length if exp.accuracy.enabled else 0)
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=need, n_batch=n_batch, n_ubatch=n_batch,
-                              n_threads=threads, n_threads_batch=threads, logits_all=False, seed=m.seed,
-                              verbose=False)
+        tags["engine.format"] = fmt
+        n_batch = max(self.engine.n_batch, exp.accuracy.context_length if exp.accuracy.enabled else 0)
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=need, n_batch=n_batch, n_ubatch=n_batch,
+                                   n_threads=self.threads, n_threads_batch=self.threads, logits_all=False,
+                                   seed=exp.measure.seed, verbose=False)
         metrics["load_s"] = measure.now() - t0
-        if log_file.exists():
-            tags["log_file"] = str(log_file)
-        try:
-            n_vocab = llm.n_vocab()
-            if max(max(p) for p in prompts + [wl.context or [0]]) >= n_vocab:
-                raise QuantbenchError(f"the HF tokenizer produced ids >= llama.cpp's vocabulary ({n_vocab}); the "
-                                      "GGUF and its tokenizer do not match")
-            shape = roofline.shape_from_gguf(gguf)
-            metrics.update({"weight_bytes": shape.weight_bytes, "params": gguf_params(gguf),
-                            "bits_per_weight": linear_bits(gguf)})
-            tags["kernel_path"] = f"llama.cpp[{self.format}:{gguf.name}]"
-            ctx = llm._ctx.ctx  # the raw context: logits are read directly (see module docstring)
+        self.n_vocab = self.llm.n_vocab()
+        if max(max(p) for p in wl.prompts + [wl.context or [0]]) >= self.n_vocab:
+            raise QuantbenchError(f"the HF tokenizer produced ids >= llama.cpp's vocabulary ({self.n_vocab}); the "
+                                  "GGUF and its tokenizer do not match")
+        self.model_shape = shape_from_gguf(gguf)
+        metrics.update({"weight_bytes": self.model_shape.weight_bytes, "params": gguf_params(gguf),
+                        "bits_per_weight": linear_bits(gguf)})
+        tags["kernel_path"] = f"llama.cpp[{fmt}:{gguf.name}]"
+        return metrics, tags
 
-            def logits_last() -> np.ndarray:
-                return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+    def prepare(self, opts: Any, workload: Any, batches: list, log_file: Path) -> Record:
+        self.depth = workload.depth
+        if self.depth:  # measure.context_depth: prefilled once, untimed; every call starts on top of it
+            self.llm.reset()
+            self.llm.eval(workload.context)
+        return {}, {}
 
-            if depth:  # measure.context_depth: prefilled once, untimed; every call starts on top of it
-                llm.reset()
-                llm.eval(wl.context)
+    def _logits_last(self) -> np.ndarray:
+        """The last position's logits, read directly (see module docstring)."""
+        import llama_cpp  # optional extra
 
-            def generate(prompt: list[int], limit: int) -> measure.Generation:
-                llm.reset()  # eval drops KV positions >= n_tokens: the cache starts empty ...
-                llm.n_tokens = depth  # ... or holds exactly the depth context
-                t = measure.now()
-                llm.eval(prompt)
-                tok = int(logits_last().argmax())
-                ttft = measure.now() - t
-                seq, steps = [tok], []
-                for _ in range(limit - 1):
-                    if m.stop_at_eos and tok == tokenizer.eos_token_id:
-                        break
-                    t = measure.now()
-                    llm.eval([tok])
-                    tok = int(logits_last().argmax())
-                    dt = measure.now() - t
-                    if m.inject_slowdown > 0:
-                        import time
+        row = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(row, shape=(self.n_vocab,))
 
-                        time.sleep(dt * m.inject_slowdown)
-                        dt = measure.now() - t
-                    steps.append(dt)
-                    seq.append(tok)
-                return measure.Generation(sequences=[seq], prompt_tokens=len(prompt), ttft_s=ttft, step_s=steps,
-                                          decode_tokens=len(steps))
+    def generate(self, batch: list[list[int]], opts: Any) -> measure.Generation:
+        """Greedy decoding of one prompt (llama.cpp runs batch 1: check_with), timed like strategies/decode.py."""
+        (prompt,) = batch
+        llm, limit = self.llm, opts.max_new_tokens
+        llm.reset()  # eval drops KV positions >= n_tokens: the cache starts empty ...
+        llm.n_tokens = self.depth  # ... or holds exactly the depth context
+        t0 = measure.now()
+        llm.eval(prompt)
+        tok = int(self._logits_last().argmax())
+        t_first = measure.now()  # the first token is on the host: the decode phase's wall clock starts here
+        seq, steps = [tok], []
+        for _ in range(limit - 1):
+            if opts.stop_at_eos and tok == opts.eos_token_id:
+                break
+            t = measure.now()
+            llm.eval([tok])
+            tok = int(self._logits_last().argmax())
+            dt = measure.now() - t
+            if opts.inject_slowdown > 0:  # test-only: stretch the step (gate calibration)
+                time.sleep(dt * opts.inject_slowdown)
+                dt = measure.now() - t
+            steps.append(dt)
+            seq.append(tok)
+        decode_wall = measure.now() - t_first if steps else 0.0  # steps plus the host work between them
+        return measure.Generation(sequences=[seq], prompt_tokens=len(prompt), ttft_s=t_first - t0, step_s=steps,
+                                  decode_tokens=len(steps), decode_wall_s=decode_wall)
 
-            pairs = list(zip(prompts, wl.limits, strict=True))
-            for _ in range(m.warmup):
-                for p, lim in pairs:
-                    generate(p, lim)
-            meter = EnergyMeter(device)  # RAPL where readable (harness/energy.py)
-            meter.start()
-            gens = [generate(p, lim) for _ in range(m.repetitions) for p, lim in pairs]
-            joules = meter.stop()
-            metrics.update(measure.summarize(gens))
-            meter.record(joules, metrics["generated_tokens"], metrics, tags)
-            metrics.update(workloads.metrics(wl, gens))
-            tags.update(workloads.record(wl))
-            metrics["batch_size"] = 1.0
-            metrics["peak_mem_mb"] = measure.peak_memory_mb(device)
-            if metrics.get("decode_tokens_per_s_cv", 0.0) > m.cv_warn:
-                tags["warning.spread"] = (f"decode tokens/s CV {metrics['decode_tokens_per_s_cv']:.1%} > "
-                                          f"{m.cv_warn:.0%}: noisy machine? raise measure.repetitions")
-            widths = [(depth + len(p), len(g.step_s)) for p, g in zip(prompts * m.repetitions, gens, strict=True)]
-            group = roofline.run_group(exp, self.name)
-            roofline.annotate(metrics, tags, shape, device, threads, roofline.mean_context(widths), group, self.label)
+    def shape(self) -> ModelShape:
+        return self.model_shape
 
-            samples = []
-            for p, g in zip(prompts, gens[: len(prompts)], strict=True):
-                seq = g.sequences[0]
-                cut = seq.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in seq else len(seq)
-                samples.append({"prompt": tokenizer.decode(p, skip_special_tokens=False),
-                                "output": tokenizer.decode(seq[:cut], skip_special_tokens=True), "tokens": seq})
+    def score(self, tokenizer: Any) -> dict[str, float]:
+        cfg = self.exp.accuracy
+        ids = accuracy.corpus_tokens(tokenizer, cfg.corpus, cfg.max_tokens)
+        return perplexity(self.llm, ids, cfg)
 
-            if exp.accuracy.enabled:
-                ids = acc.corpus_tokens(tokenizer, exp.accuracy.corpus, exp.accuracy.max_tokens)
-                metrics.update(perplexity(llm, ids, exp.accuracy))
-        finally:
-            llm.close()  # frees the context and the model now, not whenever the GC runs
+    def task_lm(self, tokenizer: Any) -> Any:
+        """lm-eval over the same GGUF and token ids as engine=transformers (harness/llama_cpp_lm.py)."""
+        self.close()  # the LM opens its own context per request set: free this one first
+        return llama_cpp_lm.lm_class()(self.gguf, tokenizer, self.threads)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()  # frees the context and the model now, not whenever the GC runs
+            self.llm = None
             gc.collect()
-        if task_plan is not None:  # the same examples and token ids as engine=transformers (harness/llama_cpp_lm.py)
-            from harness.llama_cpp_lm import LlamaCppLM  # lm-eval: imported only when tasks are scored
-
-            with third_party_output(log_file):
-                task_metrics, task_tags = task_accuracy.score(LlamaCppLM(gguf, tokenizer, threads), task_plan,
-                                                              exp.accuracy)
-            metrics.update(task_metrics)
-            tags.update(task_tags)
-        return Outcome(metrics=metrics, tags=tags, samples=samples)
 
 
 def gguf_params(path: Path) -> float:
     """Logical parameter count: every tensor's elements (a tied output projection has no tensor)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # only the llama.cpp paths need it
 
     return float(sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors))
 
 
 def linear_bits(path: Path) -> float:
     """Stored bits per weight over the transformer blocks' matrices (as the quantizer audit counts them)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # only the llama.cpp paths need it
 
     mats = [t for t in GGUFReader(str(path)).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
     return 8.0 * sum(int(t.n_bytes) for t in mats) / sum(int(t.n_elements) for t in mats)
@@ -330,15 +303,12 @@ def linear_bits(path: Path) -> float:
 
 def perplexity(llm: Any, ids: list[int], cfg: Any) -> dict[str, float]:
     """Perplexity over the same windows and scoring rule as `harness.accuracy.score`."""
-    import llama_cpp
-    import numpy as np
-
-    from harness.accuracy import windows
+    import llama_cpp  # optional extra
 
     n_vocab = llm.n_vocab()
     ctx = llm._ctx.ctx
     nll, n = 0.0, 0
-    for begin, end, n_new in windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring):
+    for begin, end, n_new in accuracy.windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring):
         window = ids[begin:end]
         llm._ctx.kv_cache_clear()
         llm.reset()

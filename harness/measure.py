@@ -11,12 +11,16 @@ Rules kept here so no strategy can forget them:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from harness.errors import Unsupported
 
 
 def resolve_device(name: str) -> str:
@@ -25,8 +29,6 @@ def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        from harness.errors import Unsupported
-
         raise Unsupported("needs CUDA: measure.device=cuda but no CUDA device is visible; use measure.device=cpu")
     return name
 
@@ -48,7 +50,6 @@ def model_grad_mode(fn):
     A quantizer sets `model.quantbench_grad_mode = "no_grad"` when its backend breaks under
     inference_mode (optimum-quanto int4: "Cannot set version_counter for inference tensor").
     """
-    import functools
 
     @functools.wraps(fn)
     def wrapper(model, *args, **kwargs):
@@ -69,6 +70,16 @@ class Generation:
     `decode_tokens` counts the real tokens produced by decode steps (the first token of each sequence
     comes from prefill and is part of TTFT instead). `stats` carries strategy-specific counts, e.g.
     speculative acceptance.
+
+    Times (seconds, host clock after a device synchronize):
+    - `ttft_s`: from the start of the call to the first token on the host (prefill + first argmax).
+    - `step_s`: one entry per decode step (per token for a strategy that emits several per step): the
+      per-step latency that ITL percentiles are taken over.
+    - `decode_wall_s`: the wall clock of the whole decode phase, from the first token on the host to the
+      last one, host work between steps included (mask and position updates, row bookkeeping, a
+      speculative rollback). None for a loop that does not record it: then the sum of `step_s` stands in.
+    - `prefill_s`: the time spent on the prompt alone, where it differs from TTFT (continuous batching
+      schedules requests, so its first token comes after queueing); None = `ttft_s`.
     """
 
     sequences: list[list[int]]
@@ -77,10 +88,23 @@ class Generation:
     step_s: list[float]
     decode_tokens: int
     stats: dict = field(default_factory=dict)
+    decode_wall_s: float | None = None
+    prefill_s: float | None = None
+
+    @property
+    def decode_s_steps(self) -> float:
+        """The sum of the decode steps' own times (host work between steps not included)."""
+        return float(sum(self.step_s))
 
     @property
     def decode_s(self) -> float:
-        return float(sum(self.step_s))
+        """The decode phase's wall clock (`decode_wall_s`), or the sum of step times where not recorded."""
+        return float(self.decode_wall_s) if self.decode_wall_s is not None else self.decode_s_steps
+
+    @property
+    def prompt_s(self) -> float:
+        """Prefill time: `prefill_s` where recorded, else TTFT."""
+        return float(self.prefill_s) if self.prefill_s is not None else self.ttft_s
 
     @property
     def generated_tokens(self) -> int:
@@ -92,7 +116,17 @@ class Generation:
 
     @property
     def decode_tokens_per_s(self) -> float:
+        """Decode tokens over the decode phase's wall clock (`decode_s`)."""
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def decode_step_tokens_per_s(self) -> float:
+        """Decode tokens over the sum of step times: the loop's own speed, without host work between steps."""
+        return self.decode_tokens / self.decode_s_steps if self.decode_s_steps > 0 else float("nan")
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else float("nan")
 
 
 def percentile(values, q: float) -> float:
@@ -108,26 +142,38 @@ def cv(values) -> float:
 
 
 def summarize(generations: list[Generation]) -> dict[str, float]:
-    """Speed metrics over the timed generations (names are a contract: see README)."""
-    tps = [g.decode_tokens_per_s for g in generations if g.decode_tokens > 0]
+    """Speed metrics over the timed generations (names are a contract: see README).
+
+    Definitions (each generate call is one sample; medians over calls unless said otherwise):
+    - `decode_tokens_per_s` (+ `_p10`, `_p90`, `_cv`): per call, decode tokens / decode wall clock
+      (`Generation.decode_s`); calls without decode tokens are left out.
+    - `decode_step_tokens_per_s`: the same over the sum of step times (host work between steps excluded).
+    - `ttft_ms`, `ttft_ms_p90`: percentiles of TTFT over calls.
+    - `itl_ms_p50/p90/p99`: percentiles over every decode step of every call (pooled, not per call).
+    - `e2e_ms`: median of TTFT + decode wall clock.
+    - `prompt_tokens_per_s`: median over calls of prompt tokens / prefill time (`Generation.prompt_s`).
+    """
+    decoding = [g for g in generations if g.decode_tokens > 0]
+    tps = [g.decode_tokens_per_s for g in decoding]
     steps = [s for g in generations for s in g.step_s]
+    ttft = [g.ttft_s for g in generations]
     ms = 1000.0
-    out = {
+    return {
         "decode_tokens_per_s": percentile(tps, 50),
         "decode_tokens_per_s_p10": percentile(tps, 10),
         "decode_tokens_per_s_p90": percentile(tps, 90),
         "decode_tokens_per_s_cv": cv(tps),
-        "ttft_ms": percentile([g.ttft_s for g in generations], 50) * ms,
-        "ttft_ms_p90": percentile([g.ttft_s for g in generations], 90) * ms,
+        "decode_step_tokens_per_s": percentile([g.decode_step_tokens_per_s for g in decoding], 50),
+        "ttft_ms": percentile(ttft, 50) * ms,
+        "ttft_ms_p90": percentile(ttft, 90) * ms,
         "itl_ms_p50": percentile(steps, 50) * ms,
         "itl_ms_p90": percentile(steps, 90) * ms,
         "itl_ms_p99": percentile(steps, 99) * ms,
         "e2e_ms": percentile([g.e2e_s for g in generations], 50) * ms,
         "generated_tokens": float(sum(g.generated_tokens for g in generations)),
-        "prompt_tokens_per_s": percentile([g.prompt_tokens / g.ttft_s for g in generations if g.ttft_s > 0], 50),
+        "prompt_tokens_per_s": percentile([g.prompt_tokens_per_s for g in generations if g.prompt_s > 0], 50),
         "timed_generations": float(len(generations)),
     }
-    return out
 
 
 def reset_peak_memory(device: str) -> bool:
@@ -157,8 +203,6 @@ def peak_memory_mb(device: str) -> float:
                     return int(line.split()[1]) / 1024.0
     except OSError:
         pass
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 

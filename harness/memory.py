@@ -28,7 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.errors import Unsupported
+import psutil
+
+from harness.cache import short_hash
+from harness.errors import QuantbenchError, Unsupported
+from harness.measure import resolve_device
+from harness.roofline import shape_from_gguf
+from harness.workloads import parse
+
+# torch, transformers and gguf are imported where used: run.py's memory check runs before any model library loads
+# (tests/test_layout.py, LAZY_OK).
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GGUF_BITS = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0}
@@ -105,8 +114,6 @@ def _counts_from_hf(cfg: Any) -> Counts:
 def _counts_from_gguf(path: Path) -> Counts:
     from gguf import GGUFReader
 
-    from harness.roofline import shape_from_gguf
-
     tensors = GGUFReader(str(path)).tensors
     shape = shape_from_gguf(path)
     layer: dict[str, float] = {}
@@ -131,9 +138,6 @@ _COUNTS: dict[tuple[str, str], Counts] = {}  # per process: a sweep's cells and 
 
 def model_counts(source: Any) -> Counts | None:
     """The source's counts from what describes it without weights; None when nothing does (a hub id)."""
-    from harness.errors import QuantbenchError
-    from harness.models import short_hash
-
     try:
         if hasattr(source, "hf_config"):
             key = ("config", short_hash(source.identity()))
@@ -161,14 +165,10 @@ def runtime_bytes(device: str) -> float:
         import torch
 
         return float(torch.cuda.memory_allocated())
-    import psutil
-
     return float(psutil.Process().memory_info().rss)
 
 
 def context_positions(measure: Any) -> int:
-    from harness.workloads import parse
-
     prompt = measure.prompt_tokens if parse(str(measure.prompts)).kind == "synthetic" else TEXT_PROMPT_BOUND
     return int(measure.context_depth + prompt + measure.max_new_tokens)
 
@@ -275,8 +275,6 @@ def available_bytes(device: str) -> tuple[float, str]:
 
         free, _ = torch.cuda.mem_get_info()
         return float(free), "free GPU memory"
-    import psutil
-
     avail, how = float(psutil.virtual_memory().available), "MemAvailable"
     left = _cgroup_left()
     if left is not None and left < avail:
@@ -313,9 +311,6 @@ def metrics(est: Estimate | None) -> dict[str, float]:
 def refusal(exp: Any) -> str | None:
     """run.py, before the run starts: the one-line DoesNotFit message, or None (other problems: the run records
     them as before, e.g. SKIPPED for a missing GPU)."""
-    from harness.errors import QuantbenchError
-    from harness.measure import resolve_device
-
     try:
         device = resolve_device(exp.measure.device)
         exp.engine.preflight(exp, device)  # resolves the quantizer (int8/int4: the device table's backend)

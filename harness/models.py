@@ -19,70 +19,19 @@ half a cache.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.config import DTYPES
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as tok_models
+
+from harness import hub
+from harness.cache import atomic_dir, cache_root, file_key, short_hash
+from harness.cache import require_free as require_free  # re-exported: random_model, llama_cpp take it from here
 from harness.errors import ConfigError, QuantbenchError, one_of
-
-
-def cache_root() -> Path:
-    root = Path(os.environ.get("QUANTBENCH_CACHE", Path.home() / ".cache" / "quantbench"))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-def short_hash(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def file_key(path: Path) -> dict:
-    """A cache key for a weights file that survives reinstalls: name, size and a digest of its first and last
-    MiB (not its mtime or path, so two venvs holding the same package share one converted copy)."""
-    size = path.stat().st_size
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        digest.update(f.read(1 << 20))
-        if size > 2 << 20:
-            f.seek(size - (1 << 20))
-            digest.update(f.read(1 << 20))
-    return {"name": path.name, "size": size, "sample": digest.hexdigest()[:16]}
-
-
-def require_free(directory: Path, need_bytes: float, what: str) -> None:
-    """Refuse in one line, before writing, when `directory`'s disk cannot hold `need_bytes` (+10% and 256 MiB)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(directory).free
-    if free < need_bytes * 1.1 + (256 << 20):
-        raise QuantbenchError(
-            f"{what} needs about {need_bytes / 2**20:,.0f} MiB in {directory}, but only {free / 2**20:,.0f} MiB "
-            f"are free; free disk space (`make clean-cache` drops quantbench's cache) or point QUANTBENCH_CACHE "
-            f"at a larger disk")
-
-
-def atomic_dir(final: Path, build) -> Path:
-    """Build a directory with `build(tmp_path)` and rename it into place (first writer wins)."""
-    if final.exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp", dir=final.parent))
-    try:
-        build(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process won the race; its copy is as good as ours
-            pass
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+from harness.schema import DTYPES
 
 
 def torch_dtype(name: str):
@@ -270,18 +219,10 @@ class HFModel(ModelSource):
                                       "quantbench never unpickles .bin checkpoints: convert it to safetensors")
             return
         # a hub id: in the local cache, or the hub must answer for it (else the tokenizer load fails later)
-        from harness import hub
-
         if hub.cached_snapshot(self.name_or_path, "model", self.revision) is not None:
             return
-        answer = hub.probe(self.name_or_path, "model", self.revision)
-        if answer == "missing":
-            raise QuantbenchError(f"model.name_or_path={self.name_or_path!r}: the hub has no such model (revision "
-                                  f"{self.revision!r}), or it is gated; check the id, or pass a local directory")
-        if answer != "ok":
-            raise QuantbenchError(f"model.name_or_path={self.name_or_path!r} is not in the local HF cache "
-                                  f"({hub.hub_cache()}) and the hub is unreachable ({answer.split(': ', 1)[-1]}); "
-                                  "download it where the hub is reachable and pass the local directory")
+        hub.require(self.name_or_path, "model", setting=f"model.name_or_path={self.name_or_path!r}",
+                    fix="pass a local directory of the model", revision=self.revision)
 
     def local_dir(self) -> Path:
         self.preflight()
@@ -301,13 +242,12 @@ class HFModel(ModelSource):
 
 def byte_tokenizer():
     """A real HF fast tokenizer over raw bytes (259 ids), built in-process for the tiny model."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # heavy: imports torch
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(tok_models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

@@ -5,11 +5,9 @@ weight values (optimum-benchmark's `no_weights` does the same). The shapes are t
 `config.json` fields of real models, shipped in harness/data/arch/<preset>.json; any local config.json
 of a Llama or Qwen2 model works too.
 
-Values: one seeded block of BLOCK normal values (std = the config's initializer_range, rounded to bf16)
-is tiled over every matrix and bias, starting at an offset derived from the tensor's name; norm weights
-are 1. A tensor's values therefore depend only on (seed, name, shape), never on how the model is built,
-so the transformers model and the GGUF (harness/gguf_export.py) hold the same weights, bit for bit. The
-values are bf16 numbers: an fp32 load and an F32/BF16 GGUF of them are exact.
+Values: one seeded block tiled over every tensor, so a tensor's values depend only on (seed, name, shape)
+and the transformers model and the GGUF (harness/gguf_export.py) hold the same weights, bit for bit
+(harness/random_weights.py).
 
 Building: the model is created on the meta device (no memory), then each decoder layer is allocated in the
 load dtype, filled (a memory-bound copy of the block, ~2 GB/s while the pages are first touched: an 8B
@@ -28,19 +26,23 @@ strategy whose metrics depend on the weights (`weight_dependent`), is refused (d
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.cache import atomic_dir, cache_root, require_free, short_hash
 from harness.errors import QuantbenchError, one_of
-from harness.models import ModelSource, atomic_dir, cache_root, require_free, short_hash, torch_dtype
+from harness.gguf_export import write_gguf
+from harness.models import ModelSource, torch_dtype
+from harness.random_weights import BLOCK, VALUES, fill_, first_id, values  # noqa: F401 - BLOCK re-exported (tests)
+from harness.workloads import parse
+
+# torch, transformers, torchao and safetensors are imported where used: config validation of model=random (presets,
+# shapes, one-line refusals) must not load a model library (tests/test_layout.py, LAZY_OK).
 
 ARCH_DIR = Path(__file__).resolve().parent / "data" / "arch"
 MODEL_TYPES = ("llama", "qwen2")  # what harness/gguf_export.py writes (both engines must run the same shapes)
-BLOCK = 1_048_573  # a prime: the rows of a matrix start at different shifts of the block
-VALUES = 1  # version of the value recipe above: bump it when the values change (keys every cache)
 NO_TOKENIZER = ("model=random has no tokenizer: its workload is token ids; use measure.prompts=synthetic "
                 "measure.prompt_tokens=<n> (text prompts need a real model)")
 
@@ -87,49 +89,6 @@ class IdTokenizer:
         raise QuantbenchError(NO_TOKENIZER)
 
     encode = apply_chat_template = __call__
-
-
-def _first(value: Any) -> int | None:
-    if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
-
-
-# ------------------------------------------------------------------------------------------------ values
-@functools.lru_cache(maxsize=4)
-def _block(seed: int, std: float) -> Any:
-    """The seeded block, rounded to bf16 (the canonical values), kept in fp32 for exact casts."""
-    import torch
-
-    gen = torch.Generator().manual_seed(int(seed))
-    return (torch.randn(BLOCK, generator=gen) * std).to(torch.bfloat16).float()
-
-
-def _offset(name: str) -> int:
-    return int(hashlib.sha256(name.encode()).hexdigest()[:12], 16) % BLOCK
-
-
-def fill_(t: Any, name: str, seed: int, std: float) -> Any:
-    """Write the values of tensor `name` into `t` in place (any dtype and device; see module docstring)."""
-    if t.dim() == 1 and "norm" in name.rsplit(".", 2)[-2]:
-        return t.fill_(1.0)
-    import torch
-
-    off = _offset(name)
-    rot = torch.cat([_block(seed, std)[off:], _block(seed, std)[:off]]).to(device=t.device, dtype=t.dtype)
-    flat = t.view(-1)
-    n, k = flat.numel(), flat.numel() // BLOCK
-    if k:  # one broadcast copy: memory-bound, no Python loop over the tiles
-        flat[: k * BLOCK].view(k, BLOCK).copy_(rot.expand(k, BLOCK))
-    flat[k * BLOCK:].copy_(rot[: n - k * BLOCK])
-    return t
-
-
-def values(name: str, shape: tuple[int, ...], seed: int, std: float, dtype: Any = None) -> Any:
-    """A new tensor holding the values of `name` (the GGUF writer and the safetensors copy use this)."""
-    import torch
-
-    return fill_(torch.empty(shape, dtype=dtype or torch.bfloat16), name, seed, std)
 
 
 # ------------------------------------------------------------------------------------------------ source
@@ -201,8 +160,8 @@ class RandomModel(ModelSource):
 
     def tokenizer(self) -> IdTokenizer:
         c = self.config
-        return IdTokenizer(c["vocab_size"], _first(c.get("bos_token_id")), _first(c.get("eos_token_id")),
-                           _first(c.get("pad_token_id")))
+        return IdTokenizer(c["vocab_size"], first_id(c.get("bos_token_id")), first_id(c.get("eos_token_id")),
+                           first_id(c.get("pad_token_id")))
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
         """What random weights cannot measure, refused at config time (module docstring)."""
@@ -215,8 +174,6 @@ class RandomModel(ModelSource):
                                   f"{strategy.weight_dependent}, which depends on the weight values; use a real "
                                   "model, or strategy=greedy / static_batch")
         if measure is not None:
-            from harness.workloads import parse
-
             if parse(str(measure.prompts)).kind != "synthetic":
                 raise QuantbenchError(f"{NO_TOKENIZER}; measure.prompts={measure.prompts} is text")
 
@@ -317,8 +274,6 @@ class RandomModel(ModelSource):
     def make_gguf(self) -> Path:
         path = self.gguf_path
         if not path.is_file():
-            from harness.gguf_export import write_gguf
-
             require_free(path.parent, 2.0 * self.params(), f"writing the BF16 GGUF of random {self.name}")
             write_gguf(self, path)
         return path

@@ -9,8 +9,9 @@ Rows come from result dicts (the cell JSON layout of harness.runner.Result; MLfl
 it), so both sources give the same table. The speed ratio compares each cell with the sweep's baseline
 cell (quantizer named `sweep.baseline`, default "none") of the same strategy and batch size.
 
-Extension point: `EXTRA_COLUMNS` lists metrics shown only when some cell has them (e.g. the roofline's
-`roofline_fraction`). Add a (metric, header, format) tuple; nothing else changes.
+The metric columns, their headers, formats and which direction is better come from the metric table
+(harness/metrics.py, `Metric.column`): a column shows when it is `always` shown or some cell has the metric.
+To add one, give the metric a `Column` there; nothing here changes.
 """
 
 from __future__ import annotations
@@ -18,40 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
+from harness import crossover, scaling, task_accuracy
+from harness.config import TrackingConfig
+from harness.errors import QuantbenchError
+from harness.metrics import HEADLINE, METRICS, Metric, direction_mark, report_columns
+from harness.metrics import value as _num  # a finite float or None
+from harness.records.results import invocation_cells, sweep_baseline
+from harness.roofline import roofline_plot
+
 log = logging.getLogger("quantbench")
-
-# (metric, column header, format) shown only when at least one cell reports the metric
-EXTRA_COLUMNS: list[tuple[str, str, str]] = [
-    ("roofline_fraction", "roofline", "{:.3f}"),
-    ("roofline_tokens_per_s", "bound tok/s", "{:.0f}"),
-    ("speedup_vs_greedy", "× greedy", "{:.2f}"),
-    ("acceptance_rate", "accept", "{:.2f}"),
-    ("energy_j_per_token", "J/token", "{:.3f}"),
-]
-
-
-# task accuracy (harness/task_accuracy.py) beside perplexity and KL, shown when some cell scored tasks
-TASK_COLUMNS: list[tuple[str, str, str]] = [
-    ("tasks_acc_mean", "task acc", "{:.3f}"),
-    ("tasks_acc_diff_mean", "Δ task acc", "{:+.3f}"),
-    ("tasks_acc_right_to_wrong", "flips ✓→✗", "{:.0f}"),
-    ("tasks_acc_wrong_to_right", "flips ✗→✓", "{:.0f}"),
-    ("tasks_acc_mcnemar_p", "McNemar p", "{:.2g}"),
-]
-
-
-def _num(m: dict, key: str) -> float | None:
-    v = m.get(key)
-    try:
-        v = float(v)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def _fmt(v: float | None, fmt: str) -> str:
@@ -79,7 +59,7 @@ def describe(cell: dict) -> dict[str, Any]:
 def _baseline_speed(rows: list[dict], baseline: str) -> dict[tuple, float]:
     speeds: dict[tuple, float] = {}
     for r in rows:
-        tps = _num(r["metrics"], "decode_tokens_per_s")
+        tps = _num(r["metrics"], HEADLINE)
         if r["status"] == "OK" and r["quantizer"] == baseline and tps:
             speeds.setdefault((r["strategy"], r["batch"], r["depth"]), tps)
             speeds.setdefault((r["strategy"], r["batch"]), tps)
@@ -94,7 +74,7 @@ def rows_for(cells: list[dict], baseline: str = "none") -> list[dict]:
     for r in rows:
         base = (speeds.get((r["strategy"], r["batch"], r["depth"])) or speeds.get((r["strategy"], r["batch"]))
                 or speeds.get((r["strategy"],)) or speeds.get(()))
-        tps = _num(r["metrics"], "decode_tokens_per_s")
+        tps = _num(r["metrics"], HEADLINE)
         r["ratio"] = tps / base if (tps and base and r["status"] == "OK") else None
     return rows
 
@@ -123,29 +103,44 @@ def _machine_line(rows: list[dict]) -> list[str]:
     return []
 
 
+def columns(rows: list[dict]) -> list[Metric]:
+    """The metric columns of this table: the `always` ones and those some cell has, in table order."""
+    return [METRICS[n] for n in report_columns()
+            if METRICS[n].column.always or any(_num(r["metrics"], n) is not None for r in rows)]
+
+
+def _cell(m: dict, metric: Metric) -> str:
+    """One metric's cell (with its p10–p90 spread where the column asks for it)."""
+    col, v = metric.column, _num(m, metric.name)
+    if v is None:
+        return "—"
+    text = col.fmt.format(v * col.scale)
+    if col.spread:
+        lo, hi = (_num(m, f"{metric.name}_{q}") for q in ("p10", "p90"))
+        text += f" ({_fmt(lo, col.fmt)}–{_fmt(hi, col.fmt)})"
+    return text
+
+
 def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
-    extras = [(k, h, f) for k, h, f in EXTRA_COLUMNS if any(_num(r["metrics"], k) is not None for r in rows)]
-    if any(_num(r["metrics"], TASK_COLUMNS[0][0]) is not None for r in rows):
-        extras = TASK_COLUMNS + extras
-    head = ["cell", "quantizer", "strategy", "batch", "decode tok/s (p10–p90)", f"× {baseline}", "TTFT ms",
-            "weight MB", "perplexity", "KL", "top-1", *[h for _, h, _ in extras], "status"]
+    cols = columns(rows)
+    head = ["cell", "quantizer", "strategy", "batch"]
+    for c in cols:
+        head.append(c.column.header + direction_mark(c.better))
+        if c.name == HEADLINE:
+            head.append(f"× {baseline}" + direction_mark(c.better))
+    head.append("status")
     lines = [f"# {title}", "",
              f"{len(rows)} cell(s): " + ", ".join(f"{n} {s}" for s, n in sorted(_counts(rows).items())) + ". "
              f"Speed ratio against the `{baseline}` cell of the same strategy and batch size; KL and top-1 "
-             "against the unquantized reference.", "", *_machine_line(rows),
-             "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+             "against the unquantized reference. ↑ higher is better, ↓ lower is better (harness/metrics.py).", "",
+             *_machine_line(rows), "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
-        m = r["metrics"]
-        tps, p10, p90 = (_num(m, k) for k in ("decode_tokens_per_s", "decode_tokens_per_s_p10",
-                                               "decode_tokens_per_s_p90"))
-        speed = "—" if tps is None else f"{tps:.1f} ({_fmt(p10, '{:.1f}')}–{_fmt(p90, '{:.1f}')})"
-        wb = _num(m, "weight_bytes")
-        cols = [r["cell"].replace("|", "\\|"), r["quantizer"], r["strategy"], str(r["batch"]), speed,
-                _fmt(r["ratio"], "{:.2f}"), _fmt(_num(m, "ttft_ms"), "{:.1f}"),
-                _fmt(wb / 1e6 if wb is not None else None, "{:.1f}"), _fmt(_num(m, "perplexity"), "{:.3f}"),
-                _fmt(_num(m, "kl_div_mean"), "{:.4f}"), _fmt(_num(m, "top1_agreement"), "{:.3f}"),
-                *[_fmt(_num(m, k), f) for k, _, f in extras], r["status"]]
-        lines.append("| " + " | ".join(cols) + " |")
+        cells = [r["cell"].replace("|", "\\|"), r["quantizer"], r["strategy"], str(r["batch"])]
+        for c in cols:
+            cells.append(_cell(r["metrics"], c))
+            if c.name == HEADLINE:
+                cells.append(_fmt(r["ratio"], "{:.2f}"))
+        lines.append("| " + " | ".join([*cells, r["status"]]) + " |")
     bad = [r for r in rows if r["status"] not in ("OK", "SKIPPED")]
     if bad:
         lines += ["", "## Cells that did not finish", ""]
@@ -208,12 +203,12 @@ def plot(rows: list[dict], path: Path, title: str = "sweep") -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
-    ok = [r for r in rows if r["status"] == "OK" and _num(r["metrics"], "decode_tokens_per_s")]
+    ok = [r for r in rows if r["status"] == "OK" and _num(r["metrics"], HEADLINE)]
     for r in ok:
         m = r["metrics"]
-        tps = _num(m, "decode_tokens_per_s")
+        tps = _num(m, HEADLINE)
         kl = _num(m, "kl_div_mean")
-        lo, hi = _num(m, "decode_tokens_per_s_p10") or tps, _num(m, "decode_tokens_per_s_p90") or tps
+        lo, hi = _num(m, f"{HEADLINE}_p10") or tps, _num(m, f"{HEADLINE}_p90") or tps
         ax.errorbar([kl or 0.0], [tps], yerr=[[max(tps - lo, 0)], [max(hi - tps, 0)]], fmt="o" if kl is not None
                     else "x", capsize=3)
         ax.annotate(r["cell"], (kl or 0.0, tps), textcoords="offset points", xytext=(5, 5), fontsize=7)
@@ -238,28 +233,22 @@ def write_report(folder: Path, cells: list[dict], baseline: str = "none", title:
     folder.mkdir(parents=True, exist_ok=True)
     rows = rows_for(cells, baseline)
     md = folder / "report.md"
-    from harness import crossover, scaling, task_accuracy
-
     md.write_text(markdown(rows, baseline, title) + task_accuracy.section(rows) + bench_table(rows)
                   + crossover.section(rows, baseline) + scaling.section(rows))
     paths = [md, plot(rows, folder / "report.png", title)]
     paths += crossover.write(folder, rows, baseline, title)  # cells varying batch size / context depth
     paths += scaling.write(folder, rows, title)  # cells spanning model sizes (harness/scaling.py)
-    bound = [{"label": r["cell"], "decode_tokens_per_s": _num(r["metrics"], "decode_tokens_per_s"),
+    bound = [{"label": r["cell"], "decode_tokens_per_s": _num(r["metrics"], HEADLINE),
               "roofline_tokens_per_s": _num(r["metrics"], "roofline_tokens_per_s")}
              for r in rows if r["status"] == "OK" and _num(r["metrics"], "roofline_tokens_per_s")]
     if bound:  # achieved vs bound per cell (harness.roofline)
-        from harness.roofline import roofline_plot
-
         paths.append(roofline_plot(bound, folder / "roofline.png"))
     return paths
 
 
 def cells_from_mlflow(tracking_uri: str, experiment: str, sweep: str = "") -> tuple[str, list[dict]]:
     """The latest sweep's (or the named sweep's) cells as result dicts, from MLflow runs."""
-    from mlflow.tracking import MlflowClient
-
-    from harness.errors import QuantbenchError
+    from mlflow.tracking import MlflowClient  # slow to import: only this path reads MLflow
 
     c = MlflowClient(tracking_uri=tracking_uri)
     exp = c.get_experiment_by_name(experiment)
@@ -292,8 +281,6 @@ def cells_from_mlflow(tracking_uri: str, experiment: str, sweep: str = "") -> tu
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.errors import QuantbenchError
-
     ap = argparse.ArgumentParser(prog="python -m harness.report",
                                  description="Write report.md and report.png for a sweep, from its results folder "
                                              "or from MLflow.")
@@ -308,14 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.mlflow_experiment:
-            from harness.config import TrackingConfig
-
             uri = args.tracking_uri or TrackingConfig().resolved_uri()
             name, cells = cells_from_mlflow(uri, args.mlflow_experiment, args.sweep)
             out = Path(args.out or Path(TrackingConfig().results_dir) / name)
         elif args.folder:
-            from harness.sweep import invocation_cells
-
             folder = Path(args.folder)
             if not folder.is_dir():
                 raise QuantbenchError(f"{folder} is not a sweep folder; pass results/<sweep> (run one with: "
@@ -332,9 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     except QuantbenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from harness.sweep import _baseline
-
-    baseline = args.baseline or _baseline(cells)
+    baseline = args.baseline or sweep_baseline(cells)
     paths = write_report(out, cells, baseline=baseline, title=f"sweep {name}")
     print("wrote " + ", ".join(map(str, paths)))
     return 0

@@ -2,7 +2,7 @@
 
 Three pieces, all used on every run:
 
-- `host_bandwidth(device, threads)`: the device's memory bandwidth, measured once per host and cached
+- `host_bandwidth(device, threads)` (harness/bandwidth.py): the device's memory bandwidth, measured once per host and cached
   (key: host name, CPU or GPU model, thread count). CPU: a read-only pass (`sum(b)`, N bytes), torch copy
   and triad (`a = b + s*c`) over fp32 arrays of max(256 MiB, 8 x last-level cache) each, best of 5,
   STREAM byte counting (copy moves 2N bytes, triad 3N; write-allocate traffic is not counted, as in
@@ -34,145 +34,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
-import platform
-import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from harness.bandwidth import DEVICES, Bandwidth, host_bandwidth, host_key
+from harness.cache import cache_root, short_hash
+from quantizers.base import tensor_bytes
 
 SLOW_FRACTION = 0.5  # below half the bound *and* a lighter format not faster: flag the kernel path
 SLOW_TAG = "slow kernel path?"
 SPEEDS_MAX_AGE_S = 30 * 24 * 3600  # older comparison entries are ignored (software changes)
-
-# Peak memory bandwidth (bytes/s) of common accelerators, from the vendors' datasheets.
-DEVICES: dict[str, tuple[float, str]] = {
-    "h200": (4.8e12, "NVIDIA H200 datasheet: 4.8 TB/s HBM3e (SXM)"),
-    "h100": (3.35e12, "NVIDIA H100 datasheet: 3.35 TB/s HBM3 (SXM5)"),
-    "h100-pcie": (2.0e12, "NVIDIA H100 datasheet: 2.0 TB/s HBM2e (PCIe)"),
-    "a100-80gb": (2.039e12, "NVIDIA A100 datasheet: 2,039 GB/s HBM2e (80 GB SXM)"),
-    "a100-40gb": (1.555e12, "NVIDIA A100 datasheet: 1,555 GB/s HBM2 (40 GB)"),
-    "l4": (300e9, "NVIDIA L4 datasheet: 300 GB/s GDDR6"),
-    "rtx4090": (1.008e12, "NVIDIA GeForce RTX 4090 specifications: 1,008 GB/s GDDR6X"),
-    "m2-ultra": (800e9, "Apple M2 Ultra: 800 GB/s unified memory"),
-}
-
-
-# ----------------------------------------------------------------------------- bandwidth
-@dataclass
-class Bandwidth:
-    bytes_per_s: float
-    method: str
-    measured_at: float = 0.0
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes_per_s / 1e9
-
-
-def _llc_bytes() -> int:
-    best = 0
-    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            size = (idx / "size").read_text().strip()
-        except OSError:
-            continue
-        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
-        best = max(best, int(size.rstrip("KMG")) * mult)
-    return best or 32 * 2**20
-
-
-def _measure_cpu(threads: int, repeats: int = 5) -> Bandwidth:
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        n_bytes = max(256 * 2**20, 8 * _llc_bytes())
-        n = n_bytes // 4
-        a, b, c = (torch.ones(n, dtype=torch.float32) for _ in range(3))  # touched: pages are mapped
-        copy_t, triad_t, read_t = math.inf, math.inf, math.inf
-        for _ in range(repeats):
-            t = time.perf_counter()
-            b.sum()
-            read_t = min(read_t, time.perf_counter() - t)
-            t = time.perf_counter()
-            a.copy_(b)
-            copy_t = min(copy_t, time.perf_counter() - t)
-            t = time.perf_counter()
-            torch.add(b, c, alpha=3.0, out=a)
-            triad_t = min(triad_t, time.perf_counter() - t)
-        copy_bw, triad_bw, read_bw = 2 * n * 4 / copy_t, 3 * n * 4 / triad_t, n * 4 / read_t
-        del a, b, c
-    finally:
-        torch.set_num_threads(old)
-    method = (f"cpu torch read+copy+triad, 3 x {n_bytes / 2**20:.0f} MiB fp32, {threads} threads, best of {repeats}, "
-              f"STREAM counting; read {read_bw / 1e9:.1f} GB/s, copy {copy_bw / 1e9:.1f} GB/s, triad "
-              f"{triad_bw / 1e9:.1f} GB/s; bound uses max; load average {os.getloadavg()[0]:.1f} while measured")
-    return Bandwidth(max(copy_bw, triad_bw, read_bw), method, time.time())
-
-
-def _measure_cuda(repeats: int = 10) -> Bandwidth:
-    """Device-to-device copy timed with CUDA events (asynchronous kernels: host clocks would lie)."""
-    import torch
-
-    n_bytes = 2**30
-    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm up: allocation and first launch
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    del src, dst
-    bw = 2 * n_bytes / best
-    method = f"cuda device-to-device copy, 1 GiB, CUDA events, best of {repeats}, 2N bytes; {torch.cuda.get_device_name(0)}"
-    return Bandwidth(bw, method, time.time())
-
-
-def host_key(device: str, threads: int) -> str:
-    from harness.env import device_name
-    from harness.models import short_hash
-
-    name = device_name(device)
-    return short_hash(socket.gethostname(), platform.machine(), name, device.split(":")[0], threads)
-
-
-def host_bandwidth(device: str, threads: int, refresh: bool = False) -> Bandwidth:
-    """The cached bandwidth of this host for `threads` threads (measured on the first call)."""
-    from harness.models import cache_root
-
-    path = cache_root() / "roofline" / f"bandwidth-{host_key(device, threads)}.json"
-    old = json.loads(path.read_text()) if path.is_file() else None
-    if old is not None and not refresh:
-        return Bandwidth(float(old["bytes_per_s"]), str(old["method"]), float(old.get("measured_at", 0)))
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            from harness.errors import QuantbenchError
-
-            raise QuantbenchError("roofline: device cuda requested but no CUDA device is visible; use cpu")
-        bw = _measure_cuda()
-    else:
-        bw = _measure_cpu(threads)
-    # Contention (other jobs on a shared host) can only lower a best-of measurement, never raise it, so
-    # a refresh keeps the highest value seen: the bound stays an upper limit.
-    if old is not None and float(old["bytes_per_s"]) > bw.bytes_per_s:
-        return Bandwidth(float(old["bytes_per_s"]), str(old["method"]), float(old.get("measured_at", 0)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({**asdict(bw), "device": device, "threads": threads, "host": socket.gethostname()}))
-    os.replace(tmp, path)
-    return bw
-
+log = logging.getLogger("quantbench")
 
 # ----------------------------------------------------------------------------- bytes per step
 @dataclass
@@ -208,8 +85,6 @@ def _kv_dims(cfg: Any) -> tuple[int, int, int]:
 
 def shape_from_torch(model: Any) -> ModelShape:
     """Shape of a loaded transformers model, bytes as really stored (see quantizers.base)."""
-    from quantizers.base import tensor_bytes
-
     seen: set[int] = set()
     total = sum(tensor_bytes(t, seen) for t in list(model.parameters()) + list(model.buffers()))
     emb = model.get_input_embeddings().weight
@@ -225,7 +100,7 @@ def shape_from_torch(model: Any) -> ModelShape:
 
 def shape_from_gguf(path: str | Path, kv_elem_bytes: float = 2.0) -> ModelShape:
     """Shape of a GGUF file as llama.cpp reads it (its KV cache is f16 by default: 2 bytes)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # optional and heavy: only for a GGUF model
 
     reader = GGUFReader(str(path))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
@@ -327,8 +202,6 @@ def check_slow_kernel(group: dict, label: str, metrics: dict, device: str, threa
     earlier that this (heavier) run outpaces: whichever of the two runs comes second says so, so the
     order of a sweep or of two run.py calls does not hide it.
     """
-    from harness.models import cache_root, short_hash
-
     path = cache_root() / "roofline" / f"speeds-{host_key(device, threads)}.json"
     gkey = short_hash(group)
     try:
@@ -357,8 +230,6 @@ def check_slow_kernel(group: dict, label: str, metrics: dict, device: str, threa
 def annotate(metrics: dict, tags: dict, shape: ModelShape, device: str, threads: int, context: float,
              group: dict, label: str) -> None:
     """Add the roofline metrics and tags of one run in place (used by every engine)."""
-    import logging
-
     bw = host_bandwidth(device, threads)
     batch = int(metrics.get("batch_size", 1) or 1)
     metrics.update(roofline_metrics(shape, bw, batch, context, float(metrics.get("decode_tokens_per_s", math.nan))))
@@ -368,7 +239,7 @@ def annotate(metrics: dict, tags: dict, shape: ModelShape, device: str, threads:
                                     metrics, device, threads, kernel=tags.get("kernel.linear", ""))
         if warning:
             tags["warning.slow_kernel"] = warning
-            logging.getLogger("quantbench").warning(warning)
+            log.warning(warning)
 
 
 def run_group(exp: Any, engine: str) -> dict:
@@ -386,7 +257,7 @@ def run_group(exp: Any, engine: str) -> dict:
 def annotate_torch_run(metrics: dict, tags: dict, exp: Any, model: Any, batches: list, gens: list,
                        device: str) -> None:
     """Roofline metrics of a transformers run (generations are ordered repetition by repetition)."""
-    import torch
+    import torch  # heavy: the calculator (python -m harness.roofline) and reports never need it
 
     flat = batches * exp.measure.repetitions
     depth = getattr(exp.measure, "context_depth", 0)  # tokens in the cache before the prompt (harness/workloads.py)
@@ -402,7 +273,7 @@ def annotate_torch_run(metrics: dict, tags: dict, exp: Any, model: Any, batches:
 # ----------------------------------------------------------------------------- plot
 def roofline_plot(rows: list[dict], path: str | Path) -> Path:
     """Achieved vs bound decode tok/s per cell (rows: label, decode_tokens_per_s, roofline_tokens_per_s)."""
-    import matplotlib
+    import matplotlib  # heavy: only when a report draws the plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

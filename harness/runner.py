@@ -18,9 +18,10 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness import env, measure, memory
-from harness.config import Experiment, build
+from harness import env, measure
+from harness.config import Experiment, build, to_plain
 from harness.errors import QuantbenchError, Unsupported
+from harness.run.pipeline import Pipeline, run_name
 
 log = logging.getLogger("quantbench")
 
@@ -60,28 +61,14 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_name(exp: Experiment | None, config: dict) -> str:
-    if config.get("tracking", {}).get("run_name"):
-        return config["tracking"]["run_name"]
-    if exp is None:
-        return "invalid-config"
-    return f"{exp.model.name}-{exp.quantizer.name}-{exp.strategy.name}".lower()
-
-
 def execute(exp: Experiment) -> Result:
-    """Run a validated experiment. Raises on failure (use `run` for the never-raising wrapper)."""
-    import torch
-
+    """Run a validated experiment through the pipeline (harness/run/pipeline.py). Raises on failure (use `run`
+    for the never-raising wrapper)."""
     m = exp.measure
     device = measure.resolve_device(m.device)
-    exp.engine.preflight(exp, device)  # cheap checks: files, libraries, device support
-    exp.accuracy.preflight()  # the corpus is read after the timing: check now that it can be
-    estimate = memory.check(exp, device)  # the peak it will need vs what is free: DoesNotFit before loading
-    threads = measure.set_threads(m.threads)
-    torch.manual_seed(m.seed)
-    outcome = exp.engine.execute(exp, device)
-    outcome.metrics.update(memory.metrics(estimate))  # mem_estimate_mb beside the measured peak_mem_mb
-    tags = {**env.machine_tags(device, threads), **exp.model.tags(), **outcome.tags}
+    pipe = Pipeline(exp, device)
+    outcome = pipe.run()  # preflight (files, libraries, device, corpus, memory) first: nothing loads before it
+    tags = {**env.machine_tags(device, pipe.threads), **exp.model.tags(), **outcome.tags}
     tags.update({"quantizer.backend": getattr(exp.quantizer, "backend", ""), "quantizer.name": exp.quantizer.name,
                  "strategy.name": exp.strategy.name, "model.name": exp.model.name, "engine": exp.engine.name,
                  "measure.cache": m.cache, "measure.compile": str(m.compile).lower(),
@@ -102,8 +89,6 @@ def classify(exc: BaseException) -> str:
 
 def run(cfg: Any) -> Result:
     """Build, validate and execute one experiment; never raises for a failed run."""
-    from harness.config import to_plain
-
     started = time.time()
     config = to_plain(cfg)
     config.pop("hydra", None)

@@ -21,16 +21,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from harness.metrics import value
+
 PAIRS = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}  # quantbench format : llama.cpp format
 SIXTEEN = {"transformers": ("bf16", "none", "fp16"), "llama_cpp": ("BF16", "F16")}
-
-
-def _num(m: dict, key: str) -> float | None:
-    try:
-        v = float(m.get(key))
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def points(rows: list[dict]) -> list[dict]:
@@ -38,19 +32,19 @@ def points(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
         m, t = r["metrics"], r["tags"]
-        tps, step = _num(m, "decode_tokens_per_s"), _num(m, "bytes_per_step")
+        tps, step = value(m, "decode_tokens_per_s"), value(m, "bytes_per_step")
         if r["status"] != "OK" or not tps or not step:
             continue
         engine = t.get("engine", "transformers")
         fmt = r["quantizer"]
         if engine == "llama_cpp":  # kernel_path llama.cpp[Q8_0:file] in results older than tag engine.format
             fmt = t.get("engine.format") or t.get("kernel_path", "[?:").split("[", 1)[-1].split(":", 1)[0]
-        bw = _num(m, "bandwidth_gb_per_s")
+        bw = value(m, "bandwidth_gb_per_s")
         out.append({"size": t.get("model.arch") or t.get("model.name", "?"), "engine": engine, "format": fmt,
-                    "params": _num(m, "params") or 0.0, "gb": step / 1e9, "ms": 1e3 / tps,
+                    "params": value(m, "params") or 0.0, "gb": step / 1e9, "ms": 1e3 / tps,
                     "roofline_ms": step / (bw * 1e9) * 1e3 if bw else None,
-                    "fraction": _num(m, "roofline_fraction"), "peak_gb": (_num(m, "peak_mem_mb") or 0) / 1024,
-                    "est_gb": (_num(m, "mem_estimate_mb") or 0) / 1024 or None, "load_s": _num(m, "load_s"),
+                    "fraction": value(m, "roofline_fraction"), "peak_gb": (value(m, "peak_mem_mb") or 0) / 1024,
+                    "est_gb": (value(m, "mem_estimate_mb") or 0) / 1024 or None, "load_s": value(m, "load_s"),
                     "cached": t.get("gguf_cache") == "hit", "bw": bw,
                     "linear": t.get("kernel.linear_share", "")})  # the profile: the linear kernel's share of a step
     sizes = {p["size"]: p["params"] for p in out}

@@ -36,7 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from harness import tasks as T
+from harness.cache import cache_root
 from harness.errors import QuantbenchError
+from harness.models import load_pretrained
+
+# lm_eval, datasets, statsmodels (the optional `tasks` extra) and torch/transformers are imported where used: config
+# validation imports this module, and a machine without the extra must still run everything else
+# (tests/test_layout.py, LAZY_OK).
 
 log = logging.getLogger("quantbench")
 
@@ -159,8 +165,6 @@ def hf_lm(model: Any, tokenizer: Any, batch_size: int) -> Any:
 
 
 def records_dir() -> Path:
-    from harness.models import cache_root
-
     return cache_root() / "reference" / "tasks"
 
 
@@ -206,8 +210,6 @@ def prepare(source: Any, tokenizer: Any, cfg: Any, device: str) -> Plan:
     reference = {t.name: a for t in tasks if (a := read_record(paths[t.name])) is not None}
     missing = [t for t in tasks if t.name not in reference]
     if missing:
-        from harness.models import load_pretrained
-
         t0 = time.perf_counter()
         ref_model = load_pretrained(source, cfg.reference_dtype, device)
         got = answer(hf_lm(ref_model, tokenizer, cfg.task_batch_size), missing, picks, cfg.num_fewshot, cfg.task_seed)

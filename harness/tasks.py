@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.cache import cache_root
 from harness.errors import QuantbenchError
 
 VERSION = "1.0.0"
@@ -51,8 +52,6 @@ _PREFIX = "bigbench/benchmark_tasks/"
 
 
 def data_dir() -> Path:
-    from harness.models import cache_root
-
     return cache_root() / f"bigbench-{VERSION}"
 
 

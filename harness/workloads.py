@@ -34,144 +34,29 @@ import logging
 import os
 import statistics
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from harness.cache import cache_root
+from harness.crossover import flop_metrics
 from harness.errors import QuantbenchError
+from harness.models import load_tokenizer
+from harness.prompts import JSONL_KEYS, SYNTHETIC, SYNTHETIC_DEFAULT_COUNT, Source, parse, source_problems
+
+# parsing `measure.prompts` lives in harness/prompts.py; these names stay importable from here
+__all__ = ["JSONL_KEYS", "SYNTHETIC", "SYNTHETIC_DEFAULT_COUNT", "Source", "Workload", "check", "check_resolved",
+           "context_length", "encode_prompts", "gguf_context_length", "metrics", "ordinary_ids", "parse",
+           "random_ids", "record", "resolve", "source_problems"]
 
 log = logging.getLogger("quantbench")
 
-SYNTHETIC = "synthetic"
-SYNTHETIC_DEFAULT_COUNT = 4  # as many prompts as the named sets: the same number of samples per pass
-JSONL_KEYS = ("prompt", "max_new_tokens")
 # A prompt of B UTF-8 bytes is at most B + 1 tokens for byte-level BPE and SentencePiece tokenizers; a chat
 # template adds its own tokens (SmolLM2's default system prompt ~30). Under this bound a prompt surely fits
 # and the config check needs no tokenizer; over it, the prompt is tokenized to decide.
 TEMPLATE_SLACK = 256
-
-
-# ----------------------------------------------------------------------------------------------- source
-@dataclass
-class Source:
-    """`measure.prompts` parsed without a tokenizer."""
-
-    kind: str  # set | text | jsonl | synthetic
-    name: str  # the set name, the file path, or "synthetic"
-    texts: list[str] = field(default_factory=list)
-    limits: list[int | None] = field(default_factory=list)  # per-prompt max_new_tokens (JSONL), else None
-    lines: list[int] = field(default_factory=list)  # 1-based line where each prompt starts (files)
-    count: int = 0  # synthetic: number of prompts
-
-    def where(self, i: int) -> str:
-        return f"{self.name}:{self.lines[i]}" if self.lines else f"{self.name}[{i}]"
-
-
-def _allowed() -> str:
-    from harness.prompts import PROMPT_SETS
-
-    return ", ".join([*sorted(PROMPT_SETS), SYNTHETIC, "synthetic:N"]) + ", or a .txt/.jsonl file path"
-
-
-def parse(value: str) -> Source:
-    """Parse `measure.prompts`; raises QuantbenchError with one line per problem (file and line number)."""
-    from harness.errors import ConfigError
-    from harness.prompts import PROMPT_SETS
-
-    if value in PROMPT_SETS:
-        return Source("set", value, list(PROMPT_SETS[value]), [None] * len(PROMPT_SETS[value]))
-    if value == SYNTHETIC or value.startswith(SYNTHETIC + ":"):
-        count = value.partition(":")[2] or str(SYNTHETIC_DEFAULT_COUNT)
-        if not count.isdigit() or int(count) < 1:
-            raise ConfigError([f"measure.prompts={value!r}: the count after 'synthetic:' must be an integer >= 1 "
-                               "(e.g. synthetic:8)"])
-        return Source("synthetic", SYNTHETIC, count=int(count))
-    path = Path(value)
-    if not path.exists():
-        raise ConfigError([f"measure.prompts={value!r} is not allowed; choose one of: {_allowed()} "
-                           f"(no such file: {path})"])
-    if not path.is_file():
-        raise ConfigError([f"measure.prompts={value!r} is a directory; give a .txt or .jsonl file"])
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"measure.prompts={value!r} cannot be read as UTF-8 text ({exc})"]) from None
-    src = _parse_jsonl(value, text) if path.suffix.lower() == ".jsonl" else _parse_text(value, text)
-    if not src.texts:
-        raise ConfigError([f"measure.prompts={value!r} holds no prompts (the file is empty); "
-                           + ("write one JSON object per line: {\"prompt\": \"...\"}" if src.kind == "jsonl"
-                              else "write prompts separated by blank lines")])
-    return src
-
-
-def _parse_text(name: str, text: str) -> Source:
-    src = Source("text", name)
-    block: list[str] = []
-    start = 0
-    for n, line in enumerate(text.splitlines() + [""], start=1):
-        if line.strip():
-            if not block:
-                start = n
-            block.append(line)
-        elif block:
-            src.texts.append("\n".join(block))
-            src.limits.append(None)
-            src.lines.append(start)
-            block = []
-    return src
-
-
-def _parse_jsonl(name: str, text: str) -> Source:
-    from harness.errors import ConfigError
-
-    src, problems = Source("jsonl", name), []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        at = f"measure.prompts={name}:{n}"
-        try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            problems.append(f"{at}: not valid JSON ({exc}); write one object per line: "
-                            '{"prompt": "...", "max_new_tokens": 64}')
-            continue
-        if not isinstance(obj, dict):
-            problems.append(f'{at}: expected a JSON object {{"prompt": ...}}, got {type(obj).__name__}')
-            continue
-        unknown = sorted(set(obj) - set(JSONL_KEYS))
-        prompt, limit = obj.get("prompt"), obj.get("max_new_tokens")
-        if unknown:
-            problems.append(f"{at}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(JSONL_KEYS)}")
-        elif not isinstance(prompt, str) or not prompt.strip():
-            problems.append(f'{at}: "prompt" must be a non-empty string')
-        elif limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            problems.append(f'{at}: "max_new_tokens" must be an integer >= 1, got {limit!r}')
-        else:
-            src.texts.append(prompt)
-            src.limits.append(limit)
-            src.lines.append(n)
-    if problems:
-        raise ConfigError(problems[:5] + ([f"... and {len(problems) - 5} more bad line(s)"] if len(problems) > 5
-                                          else []))
-    return src
-
-
-def source_problems(measure: Any) -> list[str]:
-    """Config-time problems of the workload settings (no model, no tokenizer)."""
-    from harness.errors import ConfigError
-
-    p: list[str] = []
-    try:
-        src = parse(str(measure.prompts))
-    except ConfigError as exc:
-        return list(exc.problems)
-    n = measure.prompt_tokens
-    if src.kind == "synthetic" and isinstance(n, int) and n < 1:
-        p.append(f"measure.prompts={measure.prompts} needs the prompt length: add measure.prompt_tokens=<n> (e.g. 512)")
-    elif src.kind != "synthetic" and isinstance(n, int) and n > 0:
-        p.append(f"measure.prompt_tokens={n} applies to measure.prompts=synthetic only (measure.prompts="
-                 f"{measure.prompts} has its own lengths); drop it or use measure.prompts=synthetic")
-    return p
 
 
 # ---------------------------------------------------------------------------------------------- context
@@ -246,20 +131,14 @@ def context_length(model: Any) -> int | None:
     return None
 
 
-def _supports_depth(strategy: Any) -> bool:
-    from strategies.greedy import Greedy
-    from strategies.static_batch import StaticBatch
-
-    return isinstance(strategy, (Greedy, StaticBatch))  # the strategies that run strategies/decode.py's loop
-
-
 def check(model: Any, measure: Any, strategy: Any = None, tokenizer: Any = None) -> None:
     """Config-time checks of the workload against the model and strategy (see module docstring)."""
     depth = measure.context_depth
     src = parse(str(measure.prompts))
-    if depth and strategy is not None and not _supports_depth(strategy):
-        raise QuantbenchError(f"measure.context_depth={depth} needs strategy=greedy or strategy=static_batch "
-                              f"(strategy {strategy.name} runs its own cache); use one of them or context_depth=0")
+    if depth and strategy is not None and not strategy.supports_context_depth:
+        raise QuantbenchError(f"measure.context_depth={depth} is not supported by strategy {strategy.name} (it runs "
+                              "its own cache); use a strategy that runs strategies/decode.py's loop (strategy=greedy, "
+                              "static_batch) or measure.context_depth=0")
     if depth and measure.compile:
         raise QuantbenchError("measure.context_depth with measure.compile=true is not supported (the compiled "
                               "path sizes its static cache from the prompts); drop one of them")
@@ -282,8 +161,6 @@ def check(model: Any, measure: Any, strategy: Any = None, tokenizer: Any = None)
     if depth + min(limits) >= ctx:  # too long whatever the prompts
         _fits(ctx, depth, [1] * len(limits), limits, src, measure)
     if tokenizer is None:
-        from harness.models import load_tokenizer
-
         tokenizer = load_tokenizer(model)
     ids = encode_prompts(tokenizer, src.texts, measure.chat_template)
     _fits(ctx, depth, [len(x) for x in ids], limits, src, measure)
@@ -371,8 +248,6 @@ class Workload:
 
     def save(self) -> Path:
         """Write the artifact once per hash under the cache root (tracking logs it as workload.jsonl)."""
-        from harness.models import cache_root
-
         path = cache_root() / "workloads" / f"{self.hash}.jsonl"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -405,8 +280,6 @@ def ordinary_ids(tokenizer: Any) -> list[int]:
 
 def random_ids(tokenizer: Any, n: int, seed: int, stream: int) -> list[int]:
     """n seeded random ordinary ids; `stream` separates prompts from the depth context."""
-    import numpy as np
-
     pool = np.asarray(ordinary_ids(tokenizer), dtype=np.int64)
     rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, stream])
     return [int(x) for x in pool[rng.integers(0, len(pool), size=n)]]
@@ -464,8 +337,8 @@ def metrics(wl: Workload, gens: list[Any], model_config: Any = None, params: flo
 
     With the model's config and parameter count, also the compute side of the roofline (harness/crossover.py).
     """
-    pp = [g.prompt_tokens / g.ttft_s for g in gens if g.ttft_s > 0]
-    tg = [g.decode_tokens / g.decode_s for g in gens if g.decode_tokens > 0 and g.decode_s > 0]
+    pp = [g.prompt_tokens_per_s for g in gens if g.prompt_s > 0]  # over prefill time (harness/measure.py)
+    tg = [g.decode_tokens_per_s for g in gens if g.decode_tokens > 0 and g.decode_s > 0]  # decode wall clock
     (pp_mean, pp_sd), (tg_mean, tg_sd) = _mean_sd(pp), _mean_sd(tg)
     out = {"prompt_len_tokens": float(statistics.median(len(p) for p in wl.prompts)),
            "decode_len_tokens": float(statistics.median(wl.limits)),
@@ -473,8 +346,6 @@ def metrics(wl: Workload, gens: list[Any], model_config: Any = None, params: flo
            "prompt_tokens_per_s_mean": pp_mean, "prompt_tokens_per_s_sd": pp_sd,
            "decode_tokens_per_s_mean": tg_mean, "decode_tokens_per_s_sd": tg_sd}
     if model_config is not None and params:
-        from harness.crossover import flop_metrics
-
         out.update(flop_metrics(model_config, float(params), gens, wl.depth))
     return out
 

@@ -40,6 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.errors import ConfigError, QuantbenchError, Unsupported, one_of
 from quantizers.base import Quantizer
 
@@ -73,9 +77,7 @@ def float_choice(device: str, model_dtype: str, cpu: Any = None) -> tuple[str, s
     if not device.startswith("cpu"):
         return model_dtype, f"{device}: model.dtype as loaded"
     if cpu is None:
-        from harness.env import cpu_info
-
-        cpu = cpu_info()
+        cpu = env.cpu_info()
     cls = cpu_class(cpu)
     if model_dtype == "float32":
         return "float32", f"cpu.isa {cpu.isa}: model.dtype float32 kept (none never lowers precision)"
@@ -91,9 +93,7 @@ def candidates(bits: str, device: str, compiled: bool, cpu: Any = None) -> tuple
     keys = [kind]
     if kind == "cpu":
         if cpu is None:
-            from harness.env import cpu_info
-
-            cpu = cpu_info()
+            cpu = env.cpu_info()
         cls = cpu_class(cpu)
         keys = [f"cpu/{cls}+compile", f"cpu/{cls}", "cpu+compile", "cpu"] if compiled else [f"cpu/{cls}", "cpu"]
     row = TABLE[bits]
@@ -103,9 +103,6 @@ def candidates(bits: str, device: str, compiled: bool, cpu: Any = None) -> tuple
 
 def build_named(name: str) -> Quantizer:
     """Build a quantizer from conf/quantizer/<name>.yaml (its `_target_` is the registry)."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
     return instantiate(OmegaConf.load(CONF_DIR / f"{name}.yaml"), _convert_="all")
 
 

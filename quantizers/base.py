@@ -10,12 +10,17 @@ the usual way quantization benchmarks lie.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 from harness.errors import QuantbenchError, Unsupported
+from harness.models import load_pretrained
+
+# torch is imported where used: config validation instantiates quantizers before any model library loads
+# (tests/test_layout.py, LAZY_OK).
 
 
 def tensor_bytes(t: Any, seen: set[Any] | None = None) -> int:
@@ -198,8 +203,6 @@ class Quantizer:
 
     def identity(self) -> dict:
         """What distinguishes this quantizer's output (keys quantized-checkpoint caches)."""
-        import dataclasses
-
         return {"class": type(self).__name__, **dataclasses.asdict(self), "versions": self.versions()}
 
     def versions(self) -> dict[str, str]:
@@ -219,8 +222,6 @@ class Quantizer:
         return model
 
     def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
-        from harness.models import load_pretrained
-
         model = load_pretrained(source, self.load_dtype(source.dtype), device, **self.from_pretrained_kwargs(device))
         return self.apply(model, source=source, tokenizer=tokenizer, device=device, experiment=experiment)
 

@@ -12,8 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.errors import ConfigError, one_of
+from harness.models import torch_dtype
 from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
+
+# transformers is imported where used: config validation instantiates quantizers before any model library loads
+# (tests/test_layout.py, LAZY_OK).
 
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -71,8 +75,6 @@ class Bnb4bit(TimedLoad, Quantizer):
 
     def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
         from transformers import BitsAndBytesConfig
-
-        from harness.models import torch_dtype
 
         return {"quantization_config": BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=self.quant_type,

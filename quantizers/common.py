@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.measure import now
+
 
 class TimedLoad:
     """Mixin for quantizers that quantize while loading: records `quantize_s` and the library version.
@@ -16,8 +18,6 @@ class TimedLoad:
     storage = ""  # a note for the tag quantizer.storage where storage differs from the nominal bits
 
     def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
-        from harness.measure import now
-
         t0 = now()
         model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)  # type: ignore[misc]
         self.last_metrics = {"quantize_s": now() - t0}

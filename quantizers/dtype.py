@@ -31,9 +31,14 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from harness.config import DTYPES
+from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.errors import ConfigError, one_of
+from harness.schema import DTYPES
+from quantizers.auto import float_choice
 from quantizers.base import Quantizer
+
+# torch is imported where used: config validation instantiates quantizers before any model library loads
+# (tests/test_layout.py, LAZY_OK).
 
 _BITS = {"float32": 32.0, "bfloat16": 16.0, "float16": 16.0}
 PREFILL_MATMUL = ("auto", "native", "fp32")
@@ -97,14 +102,12 @@ def native_16bit(dtype: str, cpu: Any) -> bool:
 
 def apply_prefill_matmul(model: Any, dtype: str, device: str, policy: str) -> str:
     """Apply `policy` to a loaded model whose float parts are `dtype`; returns the tag value."""
-    from harness.env import cpu_info
-
     if dtype not in ("bfloat16", "float16") or not device.startswith("cpu") or policy == "native":
         return "native"
-    if policy == "auto" and native_16bit(dtype, cpu_info()):
-        return f"native ({dtype} in hardware: {cpu_info().isa})"
+    if policy == "auto" and native_16bit(dtype, env.cpu_info()):
+        return f"native ({dtype} in hardware: {env.cpu_info().isa})"
     n = upcast_prefill(model)
-    why = "asked" if policy == "fp32" else f"{dtype} emulated on {cpu_info().isa}"
+    why = "asked" if policy == "fp32" else f"{dtype} emulated on {env.cpu_info().isa}"
     return f"fp32 from {PREFILL_ROWS} rows ({n} layers; {why})" if n else "native"
 
 
@@ -141,8 +144,6 @@ class Dtype(Quantizer):
             return self.dtype
         if self._choice is None:  # not preflighted (e.g. a speculative draft copy): as loaded
             return model_dtype
-        from quantizers.auto import float_choice
-
         dtype, why = float_choice(self._choice[0], model_dtype)
         self._choice = (self._choice[0], why)
         return dtype

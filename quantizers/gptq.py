@@ -30,15 +30,24 @@ there.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import corpus
+from harness.cache import atomic_dir, cache_root, short_hash
 from harness.errors import ConfigError, QuantbenchError, one_of
+from harness.measure import now
+from harness.models import torch_dtype
 from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
+
+# gptqmodel (the optional `quant` extra) is imported where used: config validation instantiates this class on machines
+# without it (tests/test_layout.py, LAZY_OK).
 
 METHODS = ("gptq", "rtn", "awq")
 INT8_REPACK_KERNELS = ("gptq_torch_int8", "awq_torch_int8")
@@ -50,9 +59,7 @@ def calibration_text(spec: str) -> str:
     """`calibration` (the shipped text), else whatever the accuracy corpus loader accepts."""
     if spec == CALIBRATION:
         return CALIBRATION_TEXT.read_text(encoding="utf-8")
-    from harness.accuracy import load_corpus
-
-    return load_corpus(spec)
+    return corpus.load(spec)
 
 
 @dataclass
@@ -120,8 +127,6 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         return f"packed {self.bits}-bit"
 
     def versions(self) -> dict[str, str]:
-        import importlib.metadata
-
         out = {}
         for dist in ("gptqmodel", "torch", "transformers"):
             try:
@@ -134,14 +139,10 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         super().preflight(device)
         self._device = device
         if self.method != "rtn" and (spec := self._calibration_spec()) != CALIBRATION:
-            from harness import corpus
-
             corpus.check(spec, "quantizer.calibration_corpus")  # an HF datasets id: cached, or the hub answers
         os.environ["GPTQMODEL_CPU_WORKERS"] = str(self.workers)
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
-        from harness import corpus
-
         if self.method == "rtn":
             return
         spec = self.calibration_corpus or (accuracy.corpus if accuracy is not None else "")
@@ -159,8 +160,6 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
     # --- calibration and cache -------------------------------------------------------------------
     def calibration(self, tokenizer: Any) -> tuple[list[dict], str, bool]:
         """(samples, corpus hash, overlaps-scored-text) from the accuracy corpus loader."""
-        import hashlib
-
         acc = self._accuracy
         spec = self._calibration_spec()
         text = calibration_text(spec)
@@ -184,8 +183,6 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         return samples, digest, overlap
 
     def cache_dir(self, source: Any, calib_digest: str) -> Path:
-        from harness.models import cache_root, short_hash
-
         ignored = ("kernel", "workers", "calibration_corpus")
         if self.method == "rtn":  # no calibration: its settings must not split the cache
             ignored += ("calibration_samples", "calibration_length", "damp_percent")
@@ -208,9 +205,6 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
 
     def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
         from gptqmodel import GPTQModel
-
-        from harness.measure import now
-        from harness.models import atomic_dir, torch_dtype
 
         self._device = device
         os.environ["GPTQMODEL_CPU_WORKERS"] = str(self.workers)

@@ -16,6 +16,9 @@ from harness.errors import ConfigError, one_of
 from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
 
+# transformers is imported where used: config validation instantiates quantizers before any model library loads
+# (tests/test_layout.py, LAZY_OK).
+
 _BOUNDS = {"int8": (8.0, 9.0), "int4": (4.0, 5.0)}  # int4: 4 + scale and shift per group of 64 (~4.5)
 
 

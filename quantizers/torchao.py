@@ -40,9 +40,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.errors import ConfigError, QuantbenchError, Unsupported, one_of
 from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
+from quantizers.dtype import apply_prefill_matmul, native_16bit
+from quantizers.int8pack import INT8_UPCAST_ROWS, to_int8pack
+
+# torchao (the optional `quant` extra) and transformers are imported where used: config validation instantiates this
+# class on machines without it (tests/test_layout.py, LAZY_OK).
 
 KERNELS = ("auto", "packed", "intx", "tinygemm")
 INT8_KERNELS = ("auto", "int8pack", "torchao")
@@ -53,8 +59,6 @@ class BF16OnCPU:
     multi-token matmuls of the layers left in 16 bits where bf16 is emulated (quantizers/dtype.py)."""
 
     def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
-        from quantizers.dtype import apply_prefill_matmul
-
         model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)  # type: ignore[misc]
         dtype = str(model.get_output_embeddings().weight.dtype).replace("torch.", "")
         self.last_tags["quantizer.prefill_matmul"] = apply_prefill_matmul(model, dtype, device, "auto")  # type: ignore[attr-defined]
@@ -107,14 +111,10 @@ class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
     def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
         model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)
         if self._kernel(device) == "int8pack":
-            from harness.env import cpu_info
-            from quantizers.dtype import native_16bit
-            from quantizers.int8pack import INT8_UPCAST_ROWS, to_int8pack
-
-            upcast = 0 if native_16bit("bfloat16", cpu_info()) else INT8_UPCAST_ROWS
+            upcast = 0 if native_16bit("bfloat16", env.cpu_info()) else INT8_UPCAST_ROWS
             n = to_int8pack(model, upcast)
             self.last_tags["quantizer.int8pack"] = (f"{n} layers; fp32 from {upcast} rows (bf16 emulated on "
-                                                    f"{cpu_info().isa})" if upcast else f"{n} layers")
+                                                    f"{env.cpu_info().isa})" if upcast else f"{n} layers")
         return model
 
     def load_dtype(self, model_dtype: str) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from harness.measure import Generation
 
@@ -27,10 +27,23 @@ class DecodeOptions:
 
 @dataclass
 class Strategy:
-    """Base class: one prompt per generate call, no setup, no extra metrics."""
+    """Base class: one prompt per generate call, no setup, no extra metrics.
 
-    # what this strategy measures that depends on the weight values ("" = nothing): model=random refuses it
-    weight_dependent = ""
+    Capabilities (class attributes; core code asks these and never names a strategy class or name):
+    - `stepwise`: `generate()` is the plain greedy loop of strategies/decode.py (so the compiled fast
+      path, the kernel profile's decode-step hook, context depth and the gate's block decoder apply).
+    - `supports_context_depth`: `measure.context_depth` tokens can sit in the cache before a prompt.
+    - `batches_rows`: several prompts per generate call (`batches()` groups them).
+    - `supports_llama_cpp`: the llama.cpp engine can run it (greedy, batch 1).
+    - `weight_dependent`: what it measures that depends on the weight values ("" = nothing);
+      model=random refuses a strategy that sets it.
+    """
+
+    stepwise: ClassVar[bool] = False
+    supports_context_depth: ClassVar[bool] = False
+    batches_rows: ClassVar[bool] = False
+    supports_llama_cpp: ClassVar[bool] = False
+    weight_dependent: ClassVar[str] = ""
 
     @property
     def name(self) -> str:

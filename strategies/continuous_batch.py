@@ -7,6 +7,12 @@ switched to it in `setup` through the public `set_attn_implementation` and switc
 so the loader needs no special case. Only generated tokens are counted (the library returns them per
 request; EOS ends a request only with measure.stop_at_eos=true).
 
+Times: `decode_wall_s` is the stream's decode window (first token of any request to the last token);
+`step_s` (ITL) holds the gaps between each request's own consecutive tokens, per request; `prefill_s`
+is the time some prompt was being processed (`prefill_window`), which `prompt_tokens_per_s` divides by.
+`decode_step_tokens_per_s` (decode tokens over the sum of per-request gaps) is then the mean speed of a
+single request, not the stream's.
+
 The paged cache is sized from the requests (`num_blocks=null`): transformers' own sizing assumes a GPU
 and allocates far too much on CPU, which made a 3-request call take ~45 s instead of ~2 s here.
 """
@@ -23,9 +29,28 @@ from strategies.base import DecodeOptions, Strategy
 PAGED = "paged|eager"  # "sdpa_paged" is rejected by transformers 5.24
 
 
+def prefill_window(results: list[Any], t0: float) -> float:
+    """Seconds during which some request's prompt was being processed: the union over requests of
+    [scheduled (left the queue), first token]. Requests prefill side by side (shared forward passes), so
+    the union, not the sum, is the time the prompts took; decode steps of other requests that share those
+    forwards fall inside it too (the scheduler mixes them), so it is an upper bound of pure prefill time.
+    """
+    spans = sorted((r.lifespan[0] if r.lifespan[0] >= 0 else max(r.created_time, t0), r.timestamps[0])
+                   for r in results if r.timestamps)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        a = max(a, end)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
 @dataclass
 class ContinuousBatch(Strategy):
     """A stream of mixed-length requests through transformers' continuous batching."""
+
+    batches_rows = True
 
     requests: int = 16  # requests per stream (the prompt set is cycled)
     max_requests_per_batch: int = 16  # how many requests may share one forward pass
@@ -99,14 +124,16 @@ class ContinuousBatch(Strategy):
         stamps = sorted(t for r in results for t in (r.timestamps or []))
         first = [r.timestamps[0] - r.created_time for r in results if r.timestamps]
         latency = [r.timestamps[-1] - r.created_time for r in results if r.timestamps]
+        # ITL per request: the gaps between one request's consecutive tokens (never between two requests')
         itl = [b - a for r in results for a, b in zip(r.timestamps or [], (r.timestamps or [])[1:], strict=False)]
         created = min((r.created_time for r in results), default=t0)
-        # timestamps are perf_counter readings per emitted token: the gaps between consecutive emissions
-        # cover the decode window exactly, so decode tokens/s = tokens after each request's first / window
-        step_s = [b - a for a, b in zip(stamps, stamps[1:], strict=False)] or [max(wall, 1e-9)]
-        ttft = (stamps[0] - t0) if stamps else wall
-        return Generation(sequences=sequences, prompt_tokens=sum(len(p) for p in batch), ttft_s=ttft,
-                          step_s=step_s, decode_tokens=sum(len(s) for s in sequences) - len(sequences),
+        return Generation(sequences=sequences, prompt_tokens=sum(len(p) for p in batch),
+                          ttft_s=(stamps[0] - t0) if stamps else wall, step_s=itl,
+                          decode_tokens=sum(len(s) for s in sequences) - len(sequences),
+                          # timestamps are perf_counter readings per emitted token: the stream's decode phase
+                          # runs from the first token of any request to the last one
+                          decode_wall_s=(stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0,
+                          prefill_s=prefill_window(results, t0),
                           stats={"wall_s": wall, "request_latency_s": latency, "request_ttft_s": first,
                                  "request_itl_s": itl, "stream_s": (stamps[-1] - created) if stamps else wall})
 

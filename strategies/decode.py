@@ -1,10 +1,12 @@
 """The shared prefill + decode loop (batch >= 1, left padding), written out so every step is timed.
 
 transformers' `generate()` hides per-step times, so quantbench runs its own loop: one forward for the
-prompt (TTFT), then one forward per new token against the KV cache. Left padding keeps the newest token
-of every row in the last column; the attention mask hides the pads and `position_ids` restart at 0 after
-them, so a padded row computes exactly what it would alone. Only real tokens are counted: never pads,
-and with `stop_at_eos` nothing after a row's EOS.
+prompt (TTFT), then one forward per new token against the KV cache. Each step is timed on its own
+(`step_s`: ITL), and the decode phase as a whole by the wall clock from the first token on the host to
+the last (`decode_wall_s`: decode tokens/s), so host work between steps counts too. Left padding keeps
+the newest token of every row in the last column; the attention mask hides the pads and `position_ids`
+restart at 0 after them, so a padded row computes exactly what it would alone. Only real tokens are
+counted: never pads, and with `stop_at_eos` nothing after a row's EOS.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
     nxt = logits.argmax(-1) if opts.choose is None else opts.choose(logits, 0)
     tokens = nxt.tolist()  # host copy: needed to test EOS, and it is what a server would stream
     sync(device)
-    ttft = now() - t0
+    t_first = now()  # the first token is on the host: the decode phase's wall clock starts here
+    ttft = t_first - t0
 
     sequences: list[list[int]] = [[t] for t in tokens]
     done = [opts.stop_at_eos and t == opts.eos_token_id for t in tokens]
@@ -150,5 +153,7 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
             decode_tokens += 1
             if opts.stop_at_eos and tok == opts.eos_token_id:
                 done[row] = True
+    # the decode phase's wall clock: steps plus the host work between them (mask, positions, bookkeeping)
+    decode_wall = now() - t_first if step_s else 0.0
     return Generation(sequences=sequences, prompt_tokens=int(mask[:, depth:depth + width].sum()), ttft_s=ttft,
-                      step_s=step_s, decode_tokens=decode_tokens)
+                      step_s=step_s, decode_tokens=decode_tokens, decode_wall_s=decode_wall)

@@ -14,5 +14,9 @@ from strategies.decode import greedy_generate
 class Greedy(Strategy):
     """Batch 1, argmax at every step; the reference output for speculative and compiled paths."""
 
+    stepwise = True
+    supports_context_depth = True
+    supports_llama_cpp = True
+
     def generate(self, model: Any, batch: list[list[int]], opts: DecodeOptions) -> Generation:
         return greedy_generate(model, batch, opts)

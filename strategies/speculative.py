@@ -12,14 +12,17 @@ ever attends to a token that is not in the output. Batch 1 has no padding: the a
 ones and position ids continue from the cache length.
 
 Every generate call also runs plain greedy on the same prompt with the same target, and
-`speedup_vs_greedy` compares the two timings side by side. `greedy_match` records whether the tokens
-are identical (1) or not (0). They can differ without a bug: in bf16 the k+1-token verify forward
-rounds differently from one-token decode, and where greedy's top two logits are a few ulps apart the
-verify picks the runner-up (seen on SmolLM2 bf16; fp32 matched exactly). `strategy.match=near_tie`
-(default) then replays plain greedy with the speculative tokens forced (harness/near_tie.py, the same
-check as the compiled path's `measure.compile_match`) and fails the run only if some speculative token
-lies more than NEAR_TIE_ULPS ulps below greedy's top logit; it records `spec_tie_flips` and
-`spec_max_gap_ulps`. `strategy.match=strict` fails on any difference.
+`speedup_vs_greedy` compares the two timings side by side. The order alternates (`greedy_first`):
+whichever runs second finds the weights and the target's code paths warm in the CPU caches, so a fixed
+order would favour one side. Each prompt alternates across its calls (warmup and repetitions) and
+consecutive prompts start on opposite orders; `greedy_first_fraction` records the balance.
+`greedy_match` records whether the tokens are identical (1) or not (0). They can differ without a bug:
+in bf16 the k+1-token verify forward rounds differently from one-token decode, and where greedy's top
+two logits are a few ulps apart the verify picks the runner-up (seen on SmolLM2 bf16; fp32 matched
+exactly). `strategy.match=near_tie` (default) then replays plain greedy with the speculative tokens
+forced (harness/near_tie.py, the same check as the compiled path's `measure.compile_match`) and fails
+the run only if some speculative token lies more than NEAR_TIE_ULPS ulps below greedy's top logit; it
+records `spec_tie_flips` and `spec_max_gap_ulps`. `strategy.match=strict` fails on any difference.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from harness import near_tie
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.measure import Generation, model_grad_mode, now, percentile, resolve_device, sync
+from quantizers.dtype import Dtype
 from strategies.base import DecodeOptions, Strategy
 from strategies.decode import greedy_generate
 
@@ -121,7 +125,8 @@ def speculative_generate(target: Any, prompt: list[int], opts: DecodeOptions, dr
     t0 = now()
     first = int(run_forward(target, prompt, 0, cache, device)[-1].argmax())
     sync(device)
-    ttft = now() - t0
+    t_first = now()  # the first token is on the host: the decode phase's wall clock starts here
+    ttft = t_first - t0
 
     seq = [*prompt, first]
     gen = [first]
@@ -157,10 +162,12 @@ def speculative_generate(target: Any, prompt: list[int], opts: DecodeOptions, dr
         steps.append((len(draft), n))
         draft_s += t_mid - t
         verify_s += t_end - t_mid
-        # the step's time shared by the tokens it produced: decode_s stays exact, ITL stays comparable
+        # the step's time shared by the tokens it produced: the step sum stays exact, ITL stays comparable
         step_s.extend([(t_end - t) / len(new)] * len(new))
+    # wall clock of the decode phase: steps plus the host work between them (EOS cut, draft rollback)
+    decode_wall = now() - t_first if steps else 0.0
     return Generation(sequences=[gen], prompt_tokens=len(prompt), ttft_s=ttft, step_s=step_s,
-                      decode_tokens=len(gen) - 1,
+                      decode_tokens=len(gen) - 1, decode_wall_s=decode_wall,
                       stats={"steps": steps, "draft_s": draft_s, "verify_s": verify_s})
 
 
@@ -219,6 +226,7 @@ class Speculative(Strategy):
     _target_source: Any = field(default=None, repr=False)
     _drafter: Any = field(default=None, repr=False)
     _draft_metrics: dict = field(default_factory=dict, repr=False)
+    _order: dict = field(default_factory=dict, repr=False)  # prompt -> (first-seen index, calls so far)
 
     def __post_init__(self) -> None:
         p: list[str] = []
@@ -272,8 +280,6 @@ class Speculative(Strategy):
         if self.draft == "prompt_lookup":
             self._drafter = LookupDrafter(self.ngram_max, self.ngram_min)
             return
-        from quantizers.dtype import Dtype
-
         source = self.draft_source() or experiment.model
         quantizer = self.draft_quantizer or Dtype()
         t0 = now()
@@ -289,8 +295,12 @@ class Speculative(Strategy):
     def generate(self, model: Any, batch: list[list[int]], opts: DecodeOptions) -> Generation:
         if len(batch) != 1:
             raise QuantbenchError("strategy=speculative runs batch 1 (one prompt per call)")
+        greedy_first = self.greedy_first(batch[0])
+        if greedy_first:
+            ref = greedy_generate(model, batch, opts)
         spec = speculative_generate(model, batch[0], opts, self._drafter, self.num_draft_tokens)
-        ref = greedy_generate(model, batch, opts)
+        if not greedy_first:
+            ref = greedy_generate(model, batch, opts)
         got, want = spec.sequences[0], ref.sequences[0]
         flips, gap = 0, 0.0
         if got != want:
@@ -305,8 +315,20 @@ class Speculative(Strategy):
                                       f"choice (more than the {near_tie.NEAR_TIE_ULPS:g} a rounding flip of a near-tie "
                                       "can explain): the speculative loop computes something else")
         spec.stats.update(greedy_e2e_s=ref.e2e_s, greedy_decode_tokens_per_s=ref.decode_tokens_per_s,
-                          greedy_match=float(got == want), tie_flips=flips, max_gap_ulps=gap)
+                          greedy_match=float(got == want), tie_flips=flips, max_gap_ulps=gap,
+                          greedy_first=float(greedy_first))
         return spec
+
+    def greedy_first(self, prompt: list[int]) -> bool:
+        """Whether the greedy reference runs before the speculative loop in this call (module docstring).
+
+        Each prompt alternates across its calls, and consecutive new prompts start on opposite orders, so
+        a pass over an even number of prompts, and every two passes over any, are balanced.
+        """
+        key = tuple(prompt)
+        first_seen, calls = self._order.get(key, (len(self._order), 0))
+        self._order[key] = (first_seen, calls + 1)
+        return (first_seen + calls) % 2 == 1
 
     def metrics(self, generations: list[Generation]) -> dict[str, float]:
         steps = [s for g in generations for s in g.stats["steps"]]
@@ -332,6 +354,8 @@ class Speculative(Strategy):
             "draft_ms_per_step": 1000.0 * draft_s / len(steps) if steps else float("nan"),
             "verify_ms_per_step": 1000.0 * verify_s / len(steps) if steps else float("nan"),
             "draft_time_fraction": draft_s / (draft_s + verify_s) if draft_s + verify_s else float("nan"),
+            "greedy_first_fraction": (sum(g.stats.get("greedy_first", 0.0) for g in generations) / len(generations)
+                                      if generations else float("nan")),
             "greedy_decode_tokens_per_s": percentile([g.stats["greedy_decode_tokens_per_s"] for g in generations], 50),
             # same prompts, same target, same tokens out: the ratio of wall times is the speedup
             "speedup_vs_greedy": sum(g.stats["greedy_e2e_s"] for g in generations) / spec_s if spec_s else float("nan"),

@@ -21,6 +21,10 @@ from strategies.decode import greedy_generate
 class StaticBatch(Strategy):
     """Greedy decoding of fixed batches built by cycling the prompt set."""
 
+    stepwise = True
+    supports_context_depth = True
+    batches_rows = True
+
     batch_size: int = 4  # type: ignore[assignment]  # a field here, a property on the base
 
     def __post_init__(self) -> None:

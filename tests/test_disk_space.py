@@ -4,14 +4,14 @@ from collections import namedtuple
 
 import pytest
 
-from harness import models
+from harness import cache, models
 from harness.errors import QuantbenchError
 
 Usage = namedtuple("Usage", "total used free")
 
 
 def test_require_free_refuses_in_one_line_with_what_to_do(tmp_path, monkeypatch):
-    monkeypatch.setattr(models.shutil, "disk_usage", lambda _: Usage(10 << 30, 10 << 30, 100 << 20))
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda _: Usage(10 << 30, 10 << 30, 100 << 20))
     with pytest.raises(QuantbenchError) as err:
         models.require_free(tmp_path, 500 << 20, "converting x.gguf to F32")
     msg = str(err.value)
@@ -19,7 +19,7 @@ def test_require_free_refuses_in_one_line_with_what_to_do(tmp_path, monkeypatch)
 
 
 def test_require_free_passes_when_the_disk_has_room(tmp_path, monkeypatch):
-    monkeypatch.setattr(models.shutil, "disk_usage", lambda _: Usage(10 << 30, 0, 1 << 30))
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda _: Usage(10 << 30, 0, 1 << 30))
     models.require_free(tmp_path, 500 << 20, "converting x.gguf to F32")  # 1 GiB >= 550 MiB + 256 MiB
     with pytest.raises(QuantbenchError):
         models.require_free(tmp_path, 800 << 20, "converting x.gguf to F32")  # 880 + 256 > 1024
@@ -49,7 +49,7 @@ def test_llama_cpp_conversion_checks_the_disk_first_and_never_copies_the_same_fo
     called = []
     monkeypatch.setattr(lc.llama_cpp if hasattr(lc, "llama_cpp") else __import__("llama_cpp"),
                         "llama_model_quantize", lambda *a: called.append(a) or 1)
-    monkeypatch.setattr(models.shutil, "disk_usage", lambda _: Usage(10 << 30, 10 << 30, 1 << 20))
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda _: Usage(10 << 30, 10 << 30, 1 << 20))
     with pytest.raises(QuantbenchError, match="MiB are free"):
         lc.convert(src, "F32", 1)
     assert not called  # refused before llama.cpp started

@@ -141,14 +141,14 @@ NOT_HERE = {  # command (as extracted) -> why it cannot run on this machine; che
     "python run.py -m quantizer=bf16,fp16 hydra/launcher=slurm hydra.launcher.partition=gpu "
     "tracking.uri=http://mlflow-host:5000": "needs a SLURM cluster and an MLflow host; tests/test_launchers.py "
                                             "renders its sbatch script without a cluster",
-    "python -m harness.server --backend-store-uri postgresql://mlflow@dbhost:5432/mlflow":
-        "needs an existing PostgreSQL server; tests/test_tracking_server.py runs harness.server on a local one",
+    "python -m harness.records.server --backend-store-uri postgresql://mlflow@dbhost:5432/mlflow":
+        "needs an existing PostgreSQL server; tests/test_tracking_server.py runs harness.records.server on a local one",
 }
 # run.py: what every documented run gets appended (later overrides win in Hydra): few tokens, one pass,
 # a short accuracy pass. The documented options themselves are kept.
 NARROW_RUN = ["measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0", "accuracy.max_tokens=128",
               "accuracy.context_length=64", "accuracy.stride=64", "accuracy.task_limit=10"]
-SERVER_MODULES = ("harness.server",)
+SERVER_MODULES = ("harness.records.server",)
 
 
 def _experiment_is_sweep(args: list[str]) -> bool:
@@ -170,9 +170,9 @@ def work(tmp_path_factory) -> Path:
 
 
 def _env() -> dict[str, str]:
-    from harness import sweep
+    from harness.sweep.settings import FAULT_ENV, STATE_ENV
 
-    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     env["PYTHONPATH"] = str(ROOT)
     return env
 
@@ -197,6 +197,7 @@ def _placeholders(text: str, work: Path) -> str:
         if key in text:
             text = text.replace(key, value())
     text = re.sub(r"--(candidate|baseline)-rev\s+\S+", r"--\1-rev HEAD", text)
+    text = re.sub(r"^make gate\b(?:\s+BASE=\S+)?", "make gate BASE=HEAD", text)  # a base that exists, same code
     return text.replace("results/", f"{work}/results/")
 
 
@@ -350,7 +351,7 @@ def test_every_command_the_docs_cannot_run_here_is_in_the_docs_and_says_why():
 @pytest.mark.parametrize("cmd", RUNNABLE, ids=[c.id for c in RUNNABLE])
 def test_documented_command_runs(cmd: DocCommand, work: Path, baselines: Path, request):
     text = _placeholders(cmd.text, work)
-    if "http://127.0.0.1:5000" in text and "harness.server" not in text:
+    if "http://127.0.0.1:5000" in text and "harness.records.server" not in text:
         text = text.replace("http://127.0.0.1:5000", request.getfixturevalue("live_mlflow"))
     args = shlex.split(text)
 
@@ -389,7 +390,7 @@ def test_documented_command_runs(cmd: DocCommand, work: Path, baselines: Path, r
 
     if args[1] == "-m":
         module = args[2]
-        if module == "harness.server":
+        if module == "harness.records.server":
             pg = Path(__import__("tempfile").mkdtemp(prefix="qb-pg-"))
             pg.chmod(0o755)  # PostgreSQL runs as the `postgres` user when we are root: it must reach the folder
             argv = [a if not a.startswith(f"{work}/results/postgres") else str(pg / "data") for a in args]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from conftest import ROOT
 
-from harness import sweep
 from harness.config import build, compose
+from harness.sweep.settings import planned_cells, settings_from
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 TINY = ["model=tiny_random", "measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0",
@@ -50,12 +50,12 @@ def test_every_cell_of_the_experiment_composes_and_validates(name):
     assert full.hydra.mode.name == "MULTIRUN" and cfg.name == name
     with open_dict(full):
         full.hydra.overrides.task = [f"+experiment={name}"]
-    cells = sweep.planned_cells(full.hydra)
+    cells = planned_cells(full.hydra)
     assert len(cells) >= 3
     for cell in cells:
         exp = build(compose(cell))  # the cell holds +experiment=<name> too; raises ConfigError listing every problem
         assert exp.name == name
-        sweep.settings_from(exp.config)
+        settings_from(exp.config)
 
 # Running each experiment's narrowed cell through the CLI: tests/test_docs.py (docs/sweeps.md and
 # docs/workloads.md show `python run.py +experiment=<name>` for every shipped experiment, run with NARROW).

@@ -19,7 +19,8 @@ import torch
 from conftest import ROOT
 from omegaconf import OmegaConf
 
-from harness import sweep
+from harness.records.results import invocation_cells
+from harness.sweep.settings import FAULT_ENV, STATE_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # ~10 min: `make test-heavy`, not CI
 
@@ -51,7 +52,7 @@ def invocations(name: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("name", ["smoke", "quant_sweep", "batch_scaling", "spec_decode"])
 def test_every_cell_of_the_experiment_ends_ok_or_skipped_on_the_embedded_model(name, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     statuses: dict[str, str] = {}
     for extra in invocations(name):
         done = subprocess.run([sys.executable, "run.py", f"+experiment={name}", *NARROW, *extra,
@@ -60,7 +61,7 @@ def test_every_cell_of_the_experiment_ends_ok_or_skipped_on_the_embedded_model(n
                               capture_output=True, text=True, timeout=1500)
         out = done.stdout + done.stderr
         assert done.returncode == 0, out[-4000:]
-        cells = sweep.invocation_cells(tmp_path / name)
+        cells = invocation_cells(tmp_path / name)
         assert cells and all(c["status"] in ("OK", "SKIPPED") for c in cells), out[-4000:]
         for c in cells:
             label = c["tags"]["sweep.cell"]

@@ -20,21 +20,26 @@ from pathlib import Path
 
 from conftest import ROOT
 
-from harness import sweep, sweep_resume, tracking
 from harness.config import TrackingConfig
+from harness.records import results, tracking
+from harness.records.results import RESCUE_ENV, invocation_cells
 from harness.runner import Result
+from harness.sweep import resume
+from harness.sweep.cell import run_cell
+from harness.sweep.parent import finish_sweep, mark_stale, open_parent_run
+from harness.sweep.settings import FAULT_ENV, STATE_ENV, SweepState, owner_id
 
 TINY = ["model=tiny_random", "measure.max_new_tokens=2", "measure.repetitions=1", "measure.warmup=0",
         "accuracy.enabled=false"]
 
 
-def _state(tmp_path: Path, name: str, tcfg: TrackingConfig, monkeypatch) -> sweep.SweepState:
-    st = sweep.SweepState(name=name, folder=str(tmp_path / name), invocation="inv1", commit="c",
-                          owner=sweep.owner_id(), tracking=vars(tcfg).copy(), code="c0ffee0000aa", planned=1)
+def _state(tmp_path: Path, name: str, tcfg: TrackingConfig, monkeypatch) -> SweepState:
+    st = SweepState(name=name, folder=str(tmp_path / name), invocation="inv1", commit="c",
+                    owner=owner_id(), tracking=vars(tcfg).copy(), code="c0ffee0000aa", planned=1)
     if tcfg.enabled:
-        st.parent_run_id = sweep.open_parent_run(st, "")
-    monkeypatch.setenv(sweep.STATE_ENV, str(st.save()))
-    monkeypatch.delenv(sweep.FAULT_ENV, raising=False)
+        st.parent_run_id = open_parent_run(st, "")
+    monkeypatch.setenv(STATE_ENV, str(st.save()))
+    monkeypatch.delenv(FAULT_ENV, raising=False)
     return st
 
 
@@ -45,7 +50,7 @@ def test_disk_full_while_a_result_is_written_keeps_it_and_says_where(compose, tm
     tcfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="enospc", results_dir=str(tmp_path))
     st = _state(tmp_path, "full", tcfg, monkeypatch)
     rescue = tmp_path / "rescue"
-    monkeypatch.setenv(tracking.RESCUE_ENV, str(rescue))
+    monkeypatch.setenv(RESCUE_ENV, str(rescue))
     cells = Path(st.folder) / "cells"
     real_fsync = os.fsync
 
@@ -57,7 +62,7 @@ def test_disk_full_while_a_result_is_written_keeps_it_and_says_where(compose, tm
     monkeypatch.setattr(os, "fsync", full_disk)
     cfg = compose([*TINY, "name=full", f"tracking.results_dir={tmp_path}", f"tracking.uri={tcfg.uri}",
                    "tracking.experiment=enospc"])
-    assert sweep.run_cell(cfg) == 1  # the cell ran OK but is not in the sweep's folder
+    assert run_cell(cfg) == 1  # the cell ran OK but is not in the sweep's folder
     out = capsys.readouterr()
     text = out.out + out.err
     (kept,) = rescue.glob("*.json")
@@ -73,7 +78,7 @@ def test_disk_full_while_a_result_is_written_keeps_it_and_says_where(compose, tm
     # space again: the copy the message names goes back, and resume reuses it (nothing measured twice)
     monkeypatch.setattr(os, "fsync", real_fsync)
     subprocess.run(["cp", str(kept), str(target)], check=True)
-    assert sweep.run_cell(cfg) == 0
+    assert run_cell(cfg) == 0
     assert "[skip]" in capsys.readouterr().out
 
 
@@ -81,8 +86,8 @@ def test_disk_full_everywhere_prints_the_result_itself(tmp_path, monkeypatch, ca
     def no_space(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(tracking, "write_json_atomic", no_space)
-    monkeypatch.setenv(tracking.RESCUE_ENV, str(tmp_path / "rescue"))
+    monkeypatch.setattr(results, "write_json_atomic", no_space)  # what save_result calls
+    monkeypatch.setenv(RESCUE_ENV, str(tmp_path / "rescue"))
     result = Result(status="OK", config={"model": "m"}, metrics={"decode_tokens_per_s": 42.5}, run_name="r",
                     config_hash="abcd" * 4, started=time.time(), ended=time.time())
     tracking.record(result, TrackingConfig(enabled=False, results_dir=str(tmp_path)))
@@ -122,12 +127,12 @@ def test_mlflow_server_dies_mid_sweep_results_stay_and_upload_later(compose, tmp
         st.save()
         base = [*TINY, "name=dies", f"tracking.results_dir={tmp_path}", f"tracking.uri={url}",
                 "tracking.experiment=dies", "tracking.retries=1", "tracking.timeout_s=10"]
-        assert sweep.run_cell(compose([*base, "quantizer=none"])) == 0  # logged while the server lives
+        assert run_cell(compose([*base, "quantizer=none"])) == 0  # logged while the server lives
         os.killpg(server.pid, signal.SIGKILL)  # the server dies mid-sweep
         server.wait(10)
         t0 = time.monotonic()
-        assert sweep.run_cell(compose([*base, "quantizer=bf16"])) == 0  # the cell is OK; only MLflow failed
-        assert sweep.finish_sweep(st) == 0
+        assert run_cell(compose([*base, "quantizer=bf16"])) == 0  # the cell is OK; only MLflow failed
+        assert finish_sweep(st) == 0
         assert time.monotonic() - t0 < 60
     finally:
         if server.poll() is None:
@@ -136,8 +141,8 @@ def test_mlflow_server_dies_mid_sweep_results_stay_and_upload_later(compose, tmp
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if "not in MLflow" in ln]
     assert lines == [f"sweep dies: 1 cell(s) not in MLflow (logging to {url} failed); their results are in "
-                     f"{st.folder}/cells; re-send with: python -m harness.tracking upload {st.folder} --uri {url}"], out
-    cells = {c["tags"]["quantizer.name"]: c for c in sweep.invocation_cells(Path(st.folder))}
+                     f"{st.folder}/cells; re-send with: python -m harness.records.tracking upload {st.folder} --uri {url}"], out
+    cells = {c["tags"]["quantizer.name"]: c for c in invocation_cells(Path(st.folder))}
     assert cells["bf16"]["status"] == "OK" and not cells["bf16"]["mlflow_run_id"]
     assert url in cells["bf16"]["tags"]["tracking_error"]
 
@@ -158,7 +163,7 @@ def test_mlflow_server_dies_mid_sweep_results_stay_and_upload_later(compose, tmp
 WRITER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from harness.tracking import write_json_atomic
+    from harness.records.results import write_json_atomic
     path, n = Path(sys.argv[1]), int(sys.argv[2])
     k = 0
     while True:
@@ -190,7 +195,7 @@ def test_sigkill_while_the_result_is_written_leaves_old_or_whole_json(tmp_path):
             seen.add(data["k"])
     assert target.exists() and partial_seen, "no kill landed inside a write; the drill proved nothing"
     # the leftovers of interrupted writes are not results: the next sweep start removes them
-    removed = sweep_resume.remove_partial_writes(tmp_path)
+    removed = resume.remove_partial_writes(tmp_path)
     assert removed and not list(target.parent.glob("*.tmp"))
     assert json.loads(target.read_text())["k"] in seen
 
@@ -223,9 +228,9 @@ def test_two_sweeps_on_one_folder_the_second_refuses_then_a_sigkilled_sweep_is_c
     import psutil
     from mlflow.tracking import MlflowClient
 
-    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     first = subprocess.Popen(_sweep_cmd(tmp_path, f"hydra.sweep.dir={tmp_path}/h1"), cwd=ROOT,
-                             env={**env, sweep.FAULT_ENV: json.dumps({"hang": {"quantizer.dtype": "float32"}})},
+                             env={**env, FAULT_ENV: json.dumps({"hang": {"quantizer.dtype": "float32"}})},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         cell = _cell_process(first.pid)  # the first sweep's cell is running (and hangs)
@@ -254,8 +259,8 @@ def test_two_sweeps_on_one_folder_the_second_refuses_then_a_sigkilled_sweep_is_c
     c = MlflowClient(uri)
     (parent,) = c.search_runs([c.get_experiment_by_name("twice").experiment_id])
     assert parent.info.status == "RUNNING"  # what a SIGKILL leaves behind
-    assert sweep.mark_stale(TrackingConfig(uri=uri, experiment="twice")) == [parent.info.run_id]  # any next start
+    assert mark_stale(TrackingConfig(uri=uri, experiment="twice")) == [parent.info.run_id]  # any next start
     run = c.get_run(parent.info.run_id)
     assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
     assert "marked KILLED on the next start" in run.data.tags["error"]
-    sweep_resume.hold_folder(folder, "twice").release()  # the dead sweep's hold on its folder went with it
+    resume.hold_folder(folder, "twice").release()  # the dead sweep's hold on its folder went with it

@@ -1,8 +1,8 @@
-"""The MLflow UI as a person checks a sweep: the smoke sweep, `make ui`'s server (`python -m harness.ui`) on
+"""The MLflow UI as a person checks a sweep: the smoke sweep, `make ui`'s server (`python -m harness.records.ui`) on
 127.0.0.1, headless Chromium opening the link it prints for the experiment.
 
 What a person must see first is the runs table with the sweep's parent run and its cells, not MLflow 3.17's
-GenAI overview ("Traces 0, No data available") that a plain experiment link opens (harness/ui.py says why).
+GenAI overview ("Traces 0, No data available") that a plain experiment link opens (harness/records/ui.py says why).
 Needs Debian's chromium + chromium-driver and the selenium package (scripts/setup.sh --all installs them).
 The screenshot is saved to results/ui/mlflow_sweep.png (and the test's tmp folder) for a person to look at.
 """
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from conftest import ROOT
 
-from harness import sweep, tracking
+from harness.records import mlflow_runs
+from harness.sweep.settings import FAULT_ENV, STATE_ENV
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 METRIC = "decode_tokens_per_s"
@@ -61,7 +62,7 @@ def test_make_ui_link_opens_the_sweep_on_its_runs_table_with_child_runs_and_a_me
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     done = subprocess.run([sys.executable, "run.py", "+experiment=smoke", f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra",
                            "tracking.experiment=ui_smoke", "accuracy.max_tokens=200"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -71,18 +72,18 @@ def test_make_ui_link_opens_the_sweep_on_its_runs_table_with_child_runs_and_a_me
     port = free_port()
     store = f"sqlite:///{tmp_path}/mlflow.db"
     exp = MlflowClient(store).get_experiment_by_name("ui_smoke")
-    assert exp.tags.get(tracking.EXPERIMENT_KIND_TAG) == "custom_model_development"
+    assert exp.tags.get(mlflow_runs.EXPERIMENT_KIND_TAG) == "custom_model_development"
     ui_log = tmp_path / "ui.log"
-    server = subprocess.Popen([sys.executable, "-m", "harness.ui", "--backend-store-uri", store, "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "harness.records.ui", "--backend-store-uri", store, "--port", str(port),
                                "--workers", "1"], cwd=ROOT, stdout=open(ui_log, "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)  # harness.ui becomes mlflow ui: its group holds the workers
+                              start_new_session=True)  # harness.records.ui becomes mlflow ui: its group holds the workers
     driver = None
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200, 120, "mlflow ui")
         link = re.search(r"^\s+ui_smoke\s+(\S+)$", ui_log.read_text(), re.M)
         assert link, ui_log.read_text()[-2000:]
-        assert link.group(1) == tracking.runs_url(url, exp.experiment_id)
+        assert link.group(1) == mlflow_runs.runs_url(url, exp.experiment_id)
         opts = webdriver.ChromeOptions()
         opts.binary_location = CHROMIUM
         for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

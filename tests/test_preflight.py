@@ -85,10 +85,10 @@ def test_the_runner_checks_the_corpus_before_the_engine_runs(compose, offline_hu
     from harness.engines import TransformersEngine
     from harness.runner import run
 
-    def execute(self, exp, device):
+    def open_session(self, exp, device, threads):
         raise AssertionError("the engine ran (tokenizer, model, timing) before the corpus was checked")
 
-    monkeypatch.setattr(TransformersEngine, "execute", execute)
+    monkeypatch.setattr(TransformersEngine, "open", open_session)
     res = run(compose(["model=tiny_random", "accuracy.corpus=wikitxt", "accuracy.kl=false",
                        *results_overrides, "tracking.enabled=false"]))
     assert res.status == "FAILED" and "not in the local HF datasets cache" in res.error, res.error

@@ -99,7 +99,7 @@ def test_the_kernel_profile_keeps_kineto_lines_off_the_terminal(compose, tmp_pat
 
 def test_library_import_warnings_go_to_the_log_file(tmp_path):
     """torch's `_pytree` warnings about torchao's enums and torchao's missing CUDA kernels are printed when
-    transformers first imports torchao, which a sweep's forkserver does while it pre-imports (harness/preload.py):
+    transformers first imports torchao, which a sweep's forkserver does while it pre-imports (harness/sweep/preload.py):
     they go to the run's log file, not the terminal."""
     import subprocess
 
@@ -109,7 +109,7 @@ def test_library_import_warnings_go_to_the_log_file(tmp_path):
     log_file = tmp_path / "run.log"
     env = {k: v for k, v in os.environ.items() if k != VERBOSE_ENV}
     env.update({LOG_ENV: str(log_file), "PYTHONPATH": str(ROOT)})
-    proc = subprocess.run([sys.executable, "-c", "import harness.preload"], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", "import harness.sweep.preload"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "_pytree" not in proc.stderr and "Failed to load" not in proc.stderr, proc.stderr[-3000:]

@@ -17,10 +17,12 @@ import pytest
 import torch
 from conftest import ROOT
 
-from harness import energy, memory, runner, scaling, sweep
+from harness import energy, memory, runner, scaling
 from harness.config import build
 from harness.errors import ConfigError, QuantbenchError
 from harness.random_model import BLOCK, IdTokenizer, RandomModel, presets
+from harness.records.results import invocation_cells
+from harness.sweep.settings import FAULT_ENV, STATE_ENV
 
 needs_llama = pytest.mark.skipif(not __import__("harness.llama_cpp", fromlist=["available"]).available(),
                                  reason="llama-cpp-python extra not installed (scripts/setup.sh --all; CI has it)")
@@ -279,13 +281,13 @@ def test_the_scaling_section_fits_the_fixed_cost_per_step_and_reads_the_speedups
 
 def test_the_scaling_experiment_narrowed_to_the_tiny_presets(tmp_path):
     """`python run.py +experiment=scaling`, two sizes x one format, through the CLI: the report's section and figure."""
-    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     env["QUANTBENCH_CACHE"] = str(tmp_path / "cache")
     done = subprocess.run([sys.executable, "run.py", "+experiment=scaling", "size=tiny,tiny-qwen2", "format=int4",
                            *QUICK, f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra",
                            "tracking.enabled=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    cells = sweep.invocation_cells(tmp_path / "scaling")
+    cells = invocation_cells(tmp_path / "scaling")
     assert {c["status"] for c in cells} == {"OK"} and {c["tags"]["model.arch"] for c in cells} == {"tiny", "tiny-qwen2"}
     text = (tmp_path / "scaling" / "report.md").read_text()
     assert "## Scaling" in text and "| tiny | quantbench | int4 |" in text and "| tiny-qwen2 | quantbench | int4 |" in text

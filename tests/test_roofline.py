@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import FAST
 
-from harness import roofline
+from harness import bandwidth, roofline
 from harness.errors import ConfigError
 from harness.models import TinyRandom
 
@@ -84,20 +84,20 @@ def test_bandwidth_cached_per_thread_count_and_keeps_the_highest(monkeypatch, tm
 
     def fake(threads, repeats=5):
         calls.append(threads)
-        return roofline.Bandwidth(next(values), f"fake {threads}", 1.0)
+        return bandwidth.Bandwidth(next(values), f"fake {threads}", 1.0)
 
-    monkeypatch.setattr(roofline, "_measure_cpu", fake)
-    assert roofline.host_bandwidth("cpu", 2).bytes_per_s == 20e9
-    assert roofline.host_bandwidth("cpu", 2).bytes_per_s == 20e9  # cached: no second measurement
-    assert roofline.host_bandwidth("cpu", 1).bytes_per_s == 30e9  # other thread count, own entry
+    monkeypatch.setattr(bandwidth, "measure_cpu", fake)
+    assert bandwidth.host_bandwidth("cpu", 2).bytes_per_s == 20e9
+    assert bandwidth.host_bandwidth("cpu", 2).bytes_per_s == 20e9  # cached: no second measurement
+    assert bandwidth.host_bandwidth("cpu", 1).bytes_per_s == 30e9  # other thread count, own entry
     assert calls == [2, 1]
-    assert roofline.host_bandwidth("cpu", 2, refresh=True).bytes_per_s == 20e9  # 10 < 20: contention, kept
-    assert roofline.host_bandwidth("cpu", 2, refresh=True).bytes_per_s == 50e9
+    assert bandwidth.host_bandwidth("cpu", 2, refresh=True).bytes_per_s == 20e9  # 10 < 20: contention, kept
+    assert bandwidth.host_bandwidth("cpu", 2, refresh=True).bytes_per_s == 50e9
     assert len(list((tmp_path / "roofline").glob("bandwidth-*.json"))) == 2
 
 
 def test_real_cpu_bandwidth_measurement():
-    bw = roofline._measure_cpu(threads=1, repeats=2)
+    bw = bandwidth.measure_cpu(threads=1, repeats=2)
     assert 1e9 < bw.bytes_per_s < 2e12
     assert "read" in bw.method and "copy" in bw.method and "triad" in bw.method and "1 threads" in bw.method
 
@@ -139,10 +139,10 @@ def test_metrics_present_on_a_tiny_run(compose, results_overrides, monkeypatch, 
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
     threads = 1
     # a known bandwidth in this host's cache: the run must use it and not measure
-    path = tmp_path / "cache" / "roofline" / f"bandwidth-{roofline.host_key('cpu', threads)}.json"
+    path = tmp_path / "cache" / "roofline" / f"bandwidth-{bandwidth.host_key('cpu', threads)}.json"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"bytes_per_s": 10e9, "method": "seeded by the test"}))
-    monkeypatch.setattr(roofline, "_measure_cpu", lambda *a, **k: pytest.fail("bandwidth measured again"))
+    monkeypatch.setattr(bandwidth, "measure_cpu", lambda *a, **k: pytest.fail("bandwidth measured again"))
     res = run(compose(FAST + results_overrides + ["measure.device=cpu", f"measure.threads={threads}",
                                                   "accuracy.enabled=false", "tracking.enabled=false"]))
     assert res.status == "OK", res.error

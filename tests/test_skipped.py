@@ -15,8 +15,10 @@ import pytest
 import torch
 from conftest import FAST, ROOT
 
-from harness import runner, sweep
+from harness import runner
 from harness.errors import QuantbenchError, Unsupported
+from harness.records.results import invocation_cells
+from harness.sweep.settings import FAULT_ENV, STATE_ENV
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="SKIPPED means 'needs CUDA' here: needs a CPU-only host")
 
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="SKIPPED means
 def test_a_cuda_only_quantizer_is_skipped_with_a_one_line_reason(compose, results_overrides, mlflow_dir):
     from mlflow.tracking import MlflowClient
 
-    from harness.tracking import record
+    from harness.records.tracking import record
 
     cfg = compose([*FAST, "quantizer=awq_int4", "tracking.experiment=skipped", *results_overrides])
     result = runner.run(cfg)
@@ -53,7 +55,7 @@ def test_other_hardware_checks_raise_unsupported_but_bad_input_does_not(compose)
 
 
 def test_a_sweep_with_a_cuda_only_cell_exits_0_and_reports_it_skipped(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     done = subprocess.run([sys.executable, "run.py", "-m", "model=tiny_random", "quantizer=fp32,awq_int4",
                            "measure.max_new_tokens=2", "measure.repetitions=1", "measure.warmup=0",
                            "accuracy.enabled=false", "name=skip", "tracking.experiment=skip",
@@ -61,7 +63,7 @@ def test_a_sweep_with_a_cuda_only_cell_exits_0_and_reports_it_skipped(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    cells = {c["tags"]["sweep.cell"]: c for c in sweep.invocation_cells(tmp_path / "skip")}
+    cells = {c["tags"]["sweep.cell"]: c for c in invocation_cells(tmp_path / "skip")}
     assert {k: c["status"] for k, c in cells.items()} == {"quantizer=fp32": "OK", "quantizer=awq_int4": "SKIPPED"}
     assert cells["quantizer=awq_int4"]["error"].startswith("needs CUDA: ")
     assert "1 OK, 1 SKIPPED" in out and "[SKIPPED] quantizer=awq_int4: needs CUDA: " in out, out[-3000:]

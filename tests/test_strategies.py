@@ -288,3 +288,114 @@ def test_speculative_equals_greedy_embedded_model():
         want = greedy_generate(model, [prompt], opts).sequences[0]
         for drafter, k in [(ModelDrafter(draft, "cpu"), 4), (LookupDrafter(3, 1), 3), (LookupDrafter(3, 1), 6)]:
             assert speculative_generate(model, prompt, opts, drafter, k).sequences[0] == want
+
+
+# ------------------------------------------------------------------------------------ capabilities and timings
+def test_shipped_strategies_declare_their_capabilities():
+    from strategies.continuous_batch import ContinuousBatch
+    from strategies.greedy import Greedy
+    from strategies.speculative import Speculative
+    from strategies.static_batch import StaticBatch
+
+    caps = ("stepwise", "supports_context_depth", "batches_rows", "supports_llama_cpp")
+    table = {cls.__name__: tuple(getattr(cls, c) for c in caps)
+             for cls in (Greedy, StaticBatch, Speculative, ContinuousBatch)}
+    assert table == {"Greedy": (True, True, False, True), "StaticBatch": (True, True, True, False),
+                     "Speculative": (False, False, False, False), "ContinuousBatch": (False, False, True, False)}
+
+
+def test_core_code_asks_capabilities_not_class_names(compose):
+    """A Greedy subclass that declares no context depth is refused; an unrelated class that declares it passes."""
+    from dataclasses import dataclass
+
+    from harness import fast_path, workloads
+    from strategies.base import Strategy
+    from strategies.greedy import Greedy
+
+    @dataclass
+    class NoDepthGreedy(Greedy):
+        supports_context_depth = False
+        stepwise = False
+
+    @dataclass
+    class OwnDecodeLoop(Strategy):
+        supports_context_depth = True
+
+    exp = build(compose([*FAST, "measure.context_depth=8"]))
+    workloads.check(exp.model, exp.measure, OwnDecodeLoop())
+    with pytest.raises(QuantbenchError, match="measure.context_depth=8 is not supported by strategy NoDepthGreedy"):
+        workloads.check(exp.model, exp.measure, NoDepthGreedy())
+    exp = build(compose([*FAST, "measure.cache=static", "measure.compile=true"]))
+    exp.strategy = NoDepthGreedy()
+    with pytest.raises(QuantbenchError, match="strategy NoDepthGreedy runs its own loop"):
+        fast_path.preflight(exp, "cpu")
+
+
+class SlowEos:
+    """An EOS id that never matches and takes 5 ms per comparison: host work between decode steps."""
+
+    def __eq__(self, other: object) -> bool:
+        import time
+
+        time.sleep(0.005)
+        return False
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("loop", ["greedy", "speculative"])
+def test_decode_wall_clock_counts_host_work_between_steps(target, loop):
+    opts = DecodeOptions(max_new_tokens=6, eos_token_id=SlowEos(), stop_at_eos=True)  # type: ignore[arg-type]
+    if loop == "greedy":
+        gen = greedy_generate(target, [PROMPTS[0]], opts)
+        host = 5 * 0.005  # one EOS comparison per row after each of the 5 steps
+    else:
+        gen = speculative_generate(target, PROMPTS[2], opts, LookupDrafter(3, 1), 3)
+        host = 5 * 0.005  # one comparison per emitted token after its verify step
+    assert gen.decode_tokens == 5 and gen.decode_wall_s is not None
+    assert gen.decode_wall_s - gen.decode_s_steps >= host * 0.99
+    assert gen.decode_tokens_per_s < gen.decode_step_tokens_per_s
+
+
+def test_speculative_alternates_the_greedy_reference(target, monkeypatch):
+    import strategies.speculative as spec
+
+    order: list[str] = []
+    real_spec, real_greedy = spec.speculative_generate, spec.greedy_generate
+    monkeypatch.setattr(spec, "speculative_generate", lambda *a, **k: order.append("spec") or real_spec(*a, **k))
+    monkeypatch.setattr(spec, "greedy_generate", lambda *a, **k: order.append("greedy") or real_greedy(*a, **k))
+    strategy = spec.Speculative(draft="prompt_lookup")
+    strategy.setup(model=target, tokenizer=None, opts=DecodeOptions(), experiment=None)
+    a, b = PROMPTS[1], PROMPTS[2]
+    gens = [strategy.generate(target, [p], DecodeOptions(max_new_tokens=6)) for p in (a, b, a, b)]
+    # each prompt alternates across its calls; consecutive new prompts start on opposite orders
+    assert [g.stats["greedy_first"] for g in gens] == [0.0, 1.0, 1.0, 0.0]
+    assert order == ["spec", "greedy", "greedy", "spec", "greedy", "spec", "spec", "greedy"]
+    assert strategy.metrics(gens)["greedy_first_fraction"] == 0.5
+
+
+def test_continuous_batch_itl_is_per_request(monkeypatch):
+    """Hand-computed from scripted request timestamps (transformers' generate_batch replaced by a fake)."""
+    from types import SimpleNamespace
+
+    import strategies.continuous_batch as cb
+    from harness.measure import summarize
+
+    def req(i: int, start: float, stamps: list[float]) -> SimpleNamespace:
+        return SimpleNamespace(request_id=f"req_{i}", generated_tokens=list(range(len(stamps))), timestamps=stamps,
+                               created_time=100.0, lifespan=(start, stamps[-1]), error=None)
+
+    outputs = {r.request_id: r for r in (req(0, 100.5, [101.0, 102.0, 104.0]),
+                                          req(1, 101.5, [103.0, 103.5, 105.0, 106.0]),
+                                          req(2, 100.6, [101.2]))}
+    model = SimpleNamespace(generate_batch=lambda **kwargs: outputs)
+    clock = iter([100.0, 107.0])
+    monkeypatch.setattr(cb, "now", lambda: next(clock))
+    gen = cb.ContinuousBatch(requests=3).generate(model, [[1, 2], [3, 4, 5], [6]], DecodeOptions(max_new_tokens=4))
+    assert gen.step_s == [1.0, 2.0, 0.5, 1.5, 1.0]  # each request's own gaps, never across requests
+    assert gen.decode_tokens == 8 - 3 and gen.decode_wall_s == 106.0 - 101.0  # first to last token of the stream
+    assert gen.ttft_s == 1.0
+    assert gen.prefill_s == pytest.approx((101.2 - 100.5) + (103.0 - 101.5))  # union of [scheduled, first token]
+    m = summarize([gen])
+    assert m["itl_ms_p50"] == pytest.approx(1000.0) and m["decode_tokens_per_s"] == pytest.approx(1.0)
+    assert m["prompt_tokens_per_s"] == pytest.approx(6 / 2.2)

@@ -18,23 +18,37 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from harness import report, sweep
+from harness import report
 from harness.errors import ConfigError
+from harness.records.results import cell_path, invocation_cells
+from harness.sweep.cell import append_manifest, record_cell, run_cell
+from harness.sweep.isolated import fault_for, run_isolated, warm_up
+from harness.sweep.parent import open_parent_run
+from harness.sweep.settings import (
+    FAULT_ENV,
+    STATE_ENV,
+    SweepSettings,
+    SweepState,
+    cell_label,
+    owner_id,
+    planned_cells,
+    varying_keys,
+)
 
 TINY = ["model=tiny_random", "measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0",
         "accuracy.enabled=false", "tracking.experiment=drill"]
 
 
 def run_cli(args: list[str], tmp: Path, faults: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     if faults:
-        env[sweep.FAULT_ENV] = json.dumps(faults)
+        env[FAULT_ENV] = json.dumps(faults)
     return subprocess.run([sys.executable, "run.py", "-m", *TINY, f"tracking.results_dir={tmp}", f"hydra.sweep.dir={tmp}/hydra", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def cells_by_label(folder: Path) -> dict[str, dict]:
-    return {c["tags"]["sweep.cell"]: c for c in sweep.invocation_cells(folder)}
+    return {c["tags"]["sweep.cell"]: c for c in invocation_cells(folder)}
 
 
 def mlflow_runs(tmp: Path):
@@ -127,15 +141,15 @@ def test_crashed_and_timed_out_cells_are_classified_then_resume_reruns_only_them
     # to save a second sweep start): the OK cell is reused, the two bad ones run again and succeed
     from harness.config import compose
 
-    monkeypatch.setenv(sweep.STATE_ENV, str(folder / "sweep.json"))
-    monkeypatch.delenv(sweep.FAULT_ENV, raising=False)
+    monkeypatch.setenv(STATE_ENV, str(folder / "sweep.json"))
+    monkeypatch.delenv(FAULT_ENV, raising=False)
     for seed in range(3):
         cfg = compose([*TINY, f"tracking.results_dir={tmp_path}", *args[:2], f"measure.seed={seed}", args[3]])
-        assert sweep.run_cell(cfg) == 0
+        assert run_cell(cfg) == 0
     out2 = capsys.readouterr().out
     (skip,) = [ln for ln in out2.splitlines() if "[skip]" in ln]
     assert "same code" in skip, skip
-    cells = {c["config"]["measure"]["seed"]: c for c in sweep.invocation_cells(folder)}
+    cells = {c["config"]["measure"]["seed"]: c for c in invocation_cells(folder)}
     assert {k: v["status"] for k, v in cells.items()} == {0: "OK", 1: "OK", 2: "OK"}
     assert cells[2]["started"] == ok_started  # not rerun
 
@@ -146,13 +160,13 @@ def test_oom_in_the_child_is_recorded_as_oom(compose, start_method):
 
     config = to_plain(compose(TINY))
     config.pop("hydra", None)
-    os.environ[sweep.FAULT_ENV] = json.dumps({"oom": {"model.hidden_size": 128}})
+    os.environ[FAULT_ENV] = json.dumps({"oom": {"model.hidden_size": 128}})
     try:
-        fault = sweep.fault_for(config)
+        fault = fault_for(config)
     finally:
-        del os.environ[sweep.FAULT_ENV]
+        del os.environ[FAULT_ENV]
     assert fault == "oom"
-    result = sweep.run_isolated(config, sweep.SweepSettings(timeout_s=120, start_method=start_method), fault)
+    result = run_isolated(config, SweepSettings(timeout_s=120, start_method=start_method), fault)
     assert result.status == "OOM" and "simulated out of memory" in result.error
     assert result.config_hash and result.tags["status"] == "OOM"
 
@@ -162,12 +176,12 @@ def test_warm_cell_runs_with_the_sweeps_environment_of_now(compose, tmp_path, mo
     run with the sweep's environment and working directory of the moment it starts (here: the cache root)."""
     from harness.config import to_plain
 
-    sweep.warm_up(sweep.SweepSettings())  # the server exists before the environment changes
+    warm_up(SweepSettings())  # the server exists before the environment changes
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     config = to_plain(compose([*TINY, "tracking.enabled=false", f"tracking.results_dir={tmp_path}/results"]))
     config.pop("hydra", None)
-    result = sweep.run_isolated(config, sweep.SweepSettings(timeout_s=120))
+    result = run_isolated(config, SweepSettings(timeout_s=120))
     assert result.status == "OK", result.error
     assert result.tags["sweep.start_method"] == "forkserver"
     assert list((tmp_path / "cache" / "models").glob("tiny_random-*"))  # the child used the new cache root
@@ -176,7 +190,7 @@ def test_warm_cell_runs_with_the_sweeps_environment_of_now(compose, tmp_path, mo
 
 def test_start_method_is_validated():
     with pytest.raises(ConfigError, match="sweep.start_method='fork' is not allowed; choose one of: forkserver, spawn"):
-        sweep.SweepSettings(start_method="fork")
+        SweepSettings(start_method="fork")
 
 
 def _spawned_child(pid: int, wait_s: float = 240) -> int:
@@ -197,8 +211,8 @@ def _spawned_child(pid: int, wait_s: float = 240) -> int:
 
 
 def _popen(args: list[str], tmp: Path, faults: dict) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != sweep.STATE_ENV}
-    env[sweep.FAULT_ENV] = json.dumps(faults)
+    env = {k: v for k, v in os.environ.items() if k != STATE_ENV}
+    env[FAULT_ENV] = json.dumps(faults)
     return subprocess.Popen([sys.executable, "run.py", "-m", *TINY, f"tracking.results_dir={tmp}", f"hydra.sweep.dir={tmp}/hydra", *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -213,7 +227,7 @@ def test_sigterm_kills_the_cell_and_closes_the_sweep(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
-    (cell,) = sweep.invocation_cells(tmp_path / "term")
+    (cell,) = invocation_cells(tmp_path / "term")
     assert cell["status"] == "KILLED" and "SIGTERM" in cell["error"]
     _, runs = mlflow_runs(tmp_path)
     assert {r.info.status for r in runs} == {"KILLED"} and len(runs) == 2  # parent + the cell
@@ -268,12 +282,12 @@ def test_cell_names_and_planned_cells(compose):
 
     with open_dict(cfg):  # what Hydra holds in multirun mode for `-m +experiment=smoke measure.seed=0,1`
         cfg.hydra.overrides.task = ["+experiment=smoke", "measure.seed=0,1"]
-    cells = sweep.planned_cells(cfg.hydra)
+    cells = planned_cells(cfg.hydra)
     assert len(cells) == 6  # 3 quantizers from the experiment's params x 2 seeds from the command line
-    assert sweep.varying_keys(cells) == ("quantizer", "measure.seed")
-    assert sweep.cell_label(["quantizer=bf16", "+experiment=smoke", "measure.seed=1"], ("quantizer", "measure.seed")) \
+    assert varying_keys(cells) == ("quantizer", "measure.seed")
+    assert cell_label(["quantizer=bf16", "+experiment=smoke", "measure.seed=1"], ("quantizer", "measure.seed")) \
         == "quantizer=bf16,measure.seed=1"
-    assert sweep.cell_label(["+experiment=smoke", "quantizer=bf16"], ()) == "quantizer=bf16"
+    assert cell_label(["+experiment=smoke", "quantizer=bf16"], ()) == "quantizer=bf16"
 
 
 def _cell(label, quantizer, tps, kl=None, status="OK", batch=1, **extra):
@@ -308,16 +322,16 @@ def test_report_command_regenerates_from_folder_and_mlflow(tmp_path):
     from harness.runner import Result
 
     tcfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="rep", results_dir=str(tmp_path))
-    state = sweep.SweepState(name="rep", folder=str(tmp_path / "rep"), invocation="inv1", commit="abc",
-                             owner=sweep.owner_id(), tracking=vars(tcfg).copy())
-    state.parent_run_id = sweep.open_parent_run(state, "")
+    state = SweepState(name="rep", folder=str(tmp_path / "rep"), invocation="inv1", commit="abc",
+                       owner=owner_id(), tracking=vars(tcfg).copy())
+    state.parent_run_id = open_parent_run(state, "")
     for label, q, tps in (("quantizer=none", "none", 10.0), ("quantizer=int8", "int8", 15.0)):
         r = Result(status="OK", config={"quantizer": {"q": q}}, metrics={"decode_tokens_per_s": tps,
                                                                         "kl_div_mean": 0.0 if q == "none" else 0.02},
                    tags={"quantizer.name": q, "strategy.name": "Greedy"}, config_hash=q * 2, started=time.time(),
                    ended=time.time())
-        sweep._append_manifest(state, r.config_hash, label)
-        sweep._record(r, sweep.cell_path(Path(state.folder), r.config_hash), state, label, {}, None, tcfg)
+        append_manifest(state, r.config_hash, label)
+        record_cell(r, cell_path(Path(state.folder), r.config_hash), state, label, {}, None, tcfg)
     state.save()
     assert report.main([str(tmp_path / "rep")]) == 0
     text = (tmp_path / "rep" / "report.md").read_text()

@@ -1,7 +1,7 @@
 """Resume keys (a done cell is reused only for the same code, CPU and library versions; `unknown` never
 matches) and exit codes (a sweep or run in which nothing ran OK exits 1 with one line saying why).
 
-The resume tests call `sweep.run_cell` in-process (as a Hydra job does) on the tiny model; each run of a
+The resume tests call `run_cell` in-process (as a Hydra job does) on the tiny model; each run of a
 cell is a real forkserver child, so a reuse or a rerun is what a user's sweep does.
 """
 
@@ -14,8 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from harness import sweep, sweep_resume
+from harness.records.results import cell_path
 from harness.runner import Result
+from harness.sweep import resume
+from harness.sweep.cell import append_manifest, record_cell, run_cell
+from harness.sweep.parent import finish_sweep
+from harness.sweep.settings import FAULT_ENV, STATE_ENV, SweepState, owner_id
 
 TINY = ["model=tiny_random", "measure.max_new_tokens=2", "measure.repetitions=1", "measure.warmup=0",
         "accuracy.enabled=false", "name=resume"]
@@ -35,37 +39,37 @@ def test_code_version_hashes_the_uncommitted_diff_and_untracked_python(tmp_path)
     _git(repo, "add", ".")
     _git(repo, "commit", "-q", "-m", "c")
     sha = _git(repo, "rev-parse", "HEAD")
-    clean = sweep_resume.code_version(repo)
+    clean = resume.code_version(repo)
     assert clean == sha[:12]
     (repo / "a.py").write_text("x = 2\n")
-    one = sweep_resume.code_version(repo)
+    one = resume.code_version(repo)
     (repo / "a.py").write_text("x = 3\n")
-    two = sweep_resume.code_version(repo)
+    two = resume.code_version(repo)
     # git_commit says "<sha>-dirty" for both edits; the code version tells them apart
     assert one.startswith(sha[:12] + "-dirty.") and two.startswith(sha[:12] + "-dirty.") and one != two
     (repo / "new_quantizer.py").write_text("y = 1\n")  # untracked code runs too
-    three = sweep_resume.code_version(repo)
+    three = resume.code_version(repo)
     assert three not in (one, two)
     (repo / "README.md").write_text("other doc\n")  # documentation does not change a number
-    assert sweep_resume.code_version(repo) == three
-    assert sweep_resume.code_version(tmp_path / "not_a_repo") == "unknown"
+    assert resume.code_version(repo) == three
+    assert resume.code_version(tmp_path / "not_a_repo") == "unknown"
 
 
 def test_resume_key_parts_and_unknown_never_matches():
     key = {"code": "abc123", "cpu": "AMD EPYC (AuthenticAMD family 26 model 2, avx512_bf16)", "torch": "2.13.0",
            "torchao": "0.18.0"}
-    tags = {sweep_resume.KEY_TAG: json.dumps(key)}
-    assert sweep_resume.differences(tags, key) == []
+    tags = {resume.KEY_TAG: json.dumps(key)}
+    assert resume.differences(tags, key) == []
     moved = {**key, "cpu": "AMD EPYC (AuthenticAMD family 25 model 1, avx2)", "torch": "2.14.0"}
-    why = sweep_resume.differences(tags, moved)
+    why = resume.differences(tags, moved)
     assert any(w.startswith("cpu differs") and "family 25" in w for w in why)
     assert "torch differs (stored 2.13.0, now 2.14.0)" in why
     unknown = {**key, "code": "unknown"}
-    assert sweep_resume.differences({sweep_resume.KEY_TAG: json.dumps(unknown)}, unknown) == [
+    assert resume.differences({resume.KEY_TAG: json.dumps(unknown)}, unknown) == [
         "code version unknown (not a git checkout?): never reused"]
-    assert sweep_resume.differences({"git_commit": "abc123"}, key) == [
+    assert resume.differences({"git_commit": "abc123"}, key) == [
         "the stored result has no resume key (recorded by an older quantbench)"]
-    key_lib = sweep_resume.differences(tags, {**key, "torchao": "0.19.0"})
+    key_lib = resume.differences(tags, {**key, "torchao": "0.19.0"})
     assert key_lib == ["torchao differs (stored 0.18.0, now 0.19.0)"]
 
 
@@ -73,30 +77,30 @@ def test_resume_key_parts_and_unknown_never_matches():
 def state(tmp_path, monkeypatch):
     from harness.config import TrackingConfig
 
-    st = sweep.SweepState(name="resume", folder=str(tmp_path / "resume"), invocation="inv1", commit="c0ffee-dirty",
-                          owner=sweep.owner_id(), tracking=vars(TrackingConfig(enabled=False)).copy(),
-                          code="c0ffee0000aa")
-    monkeypatch.setenv(sweep.STATE_ENV, str(st.save()))
-    monkeypatch.delenv(sweep.FAULT_ENV, raising=False)
+    st = SweepState(name="resume", folder=str(tmp_path / "resume"), invocation="inv1", commit="c0ffee-dirty",
+                    owner=owner_id(), tracking=vars(TrackingConfig(enabled=False)).copy(),
+                    code="c0ffee0000aa")
+    monkeypatch.setenv(STATE_ENV, str(st.save()))
+    monkeypatch.delenv(FAULT_ENV, raising=False)
     return st
 
 
-def _cell(st: sweep.SweepState) -> dict:
+def _cell(st: SweepState) -> dict:
     (path,) = (Path(st.folder) / "cells").glob("*.json")
     return json.loads(path.read_text())
 
 
 def test_a_done_cell_is_reused_only_for_the_same_code_cpu_and_versions(compose, state, tmp_path, capsys):
     cfg = compose([*TINY, f"tracking.results_dir={tmp_path}", "tracking.enabled=false"])
-    assert sweep.run_cell(cfg) == 0
+    assert run_cell(cfg) == 0
     first = _cell(state)
     assert first["status"] == "OK", first["error"]
-    key = json.loads(first["tags"][sweep_resume.KEY_TAG])
+    key = json.loads(first["tags"][resume.KEY_TAG])
     assert key["code"] == "c0ffee0000aa" and key["torch"] and "family" in key["cpu"]
     capsys.readouterr()
 
     # same key: reused, and the line and the tag say why
-    assert sweep.run_cell(cfg) == 0
+    assert run_cell(cfg) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("[skip]"))
     assert "same code c0ffee0000aa" in line and f"torch {key['torch']}" in line and key["cpu"] in line, out
@@ -106,12 +110,12 @@ def test_a_done_cell_is_reused_only_for_the_same_code_cpu_and_versions(compose, 
 
     # other code (another uncommitted diff) now, another CPU and torch in the stored result: rerun, naming each
     path = next((Path(state.folder) / "cells").glob("*.json"))
-    moved = {**again, "tags": {**again["tags"], sweep_resume.KEY_TAG: json.dumps(
+    moved = {**again, "tags": {**again["tags"], resume.KEY_TAG: json.dumps(
         {**key, "cpu": "Other CPU (x family 1 model 1, avx2)", "torch": "1.0"})}}
     path.write_text(json.dumps(moved))
     state.code = "c0ffee0000aa-dirty.123456789abc"
     state.save()
-    assert sweep.run_cell(cfg) == 0
+    assert run_cell(cfg) == 0
     out = capsys.readouterr().out
     (line,) = [ln for ln in out.splitlines() if ln.startswith("[rerun]")]
     assert "code differs (stored c0ffee0000aa, now c0ffee0000aa-dirty.123456789abc)" in line, out
@@ -122,9 +126,9 @@ def test_a_done_cell_is_reused_only_for_the_same_code_cpu_and_versions(compose, 
     # outside git: `unknown` is never reused, not even against a result recorded as `unknown`
     state.code = "unknown"
     state.save()
-    path.write_text(json.dumps({**third, "tags": {**third["tags"], sweep_resume.KEY_TAG: json.dumps(
-        {**json.loads(third["tags"][sweep_resume.KEY_TAG]), "code": "unknown"})}}))
-    assert sweep.run_cell(cfg) == 0
+    path.write_text(json.dumps({**third, "tags": {**third["tags"], resume.KEY_TAG: json.dumps(
+        {**json.loads(third["tags"][resume.KEY_TAG]), "code": "unknown"})}}))
+    assert run_cell(cfg) == 0
     out = capsys.readouterr().out
     assert "[rerun]" in out and "code version unknown (not a git checkout?): never reused" in out, out
     assert _cell(state)["started"] > third["started"]
@@ -136,27 +140,27 @@ def test_a_sweep_in_which_nothing_ran_exits_1_with_one_line(tmp_path, capsys):
     from harness.config import TrackingConfig
 
     folder = tmp_path / "empty"
-    st = sweep.SweepState(name="empty", folder=str(folder), invocation="inv", commit="c", owner=sweep.owner_id(),
-                          tracking=vars(TrackingConfig(enabled=False)).copy(), planned=2)
+    st = SweepState(name="empty", folder=str(folder), invocation="inv", commit="c", owner=owner_id(),
+                    tracking=vars(TrackingConfig(enabled=False)).copy(), planned=2)
     why = "needs CUDA: measure.device=cuda but no CUDA device is visible; use measure.device=cpu"
     for q in ("fp32", "bf16"):
         r = Result(status="SKIPPED", config={"quantizer": q}, error=why, config_hash=q * 4, started=time.time(),
                    ended=time.time(), tags={"status": "SKIPPED", "quantizer.name": q})
-        sweep._append_manifest(st, r.config_hash, f"quantizer={q}")
-        sweep._record(r, sweep.cell_path(folder, r.config_hash), st, f"quantizer={q}", {}, None, st.tcfg)
+        append_manifest(st, r.config_hash, f"quantizer={q}")
+        record_cell(r, cell_path(folder, r.config_hash), st, f"quantizer={q}", {}, None, st.tcfg)
     st.save()
     capsys.readouterr()
-    assert sweep.finish_sweep(st) == 1
+    assert finish_sweep(st) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == f"sweep empty: nothing ran: all 2 cell(s) SKIPPED ({why}); exit 1", last
 
     # one OK cell beside the SKIPPED ones: the sweep measured something, exit 0
     ok = Result(status="OK", config={"quantizer": "none"}, metrics={"decode_tokens_per_s": 1.0}, config_hash="ok" * 4,
                 started=time.time(), ended=time.time(), tags={"quantizer.name": "none"})
-    sweep._append_manifest(st, ok.config_hash, "quantizer=none")
-    sweep._record(ok, sweep.cell_path(folder, ok.config_hash), st, "quantizer=none", {}, None, st.tcfg)
+    append_manifest(st, ok.config_hash, "quantizer=none")
+    record_cell(ok, cell_path(folder, ok.config_hash), st, "quantizer=none", {}, None, st.tcfg)
     st.planned = 3
-    assert sweep.finish_sweep(st) == 0
+    assert finish_sweep(st) == 0
     assert "nothing ran" not in capsys.readouterr().out
 
 

@@ -15,11 +15,12 @@ import sys
 import pytest
 from conftest import FAST, ROOT
 
-from harness import runner, tracking
+from harness import runner
 from harness import task_accuracy as ta
 from harness import tasks as T
 from harness.config import build
 from harness.errors import ConfigError, QuantbenchError
+from harness.records import tracking
 
 
 def _mc(n: int, seed: int = 0) -> dict:

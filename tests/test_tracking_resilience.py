@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from harness import tracking
 from harness.config import TrackingConfig
+from harness.records import tracking
+from harness.records.results import RESULT_KEY_TAG
 from harness.runner import Result
+from harness.sweep.parent import mark_stale
 
 
 def fake_result(name: str, value: float, tcfg: TrackingConfig | None = None) -> Result:
@@ -163,7 +165,7 @@ def test_upload_replaces_a_half_logged_run(tmp_path, live_uri):
     path = tracking.record(result, tcfg)  # JSON only
     c = MlflowClient(live_uri)
     exp_id = c.create_experiment(tcfg.experiment)
-    c.create_run(exp_id, tags={tracking.RESULT_KEY_TAG: result.tags[tracking.RESULT_KEY_TAG]})  # left RUNNING
+    c.create_run(exp_id, tags={RESULT_KEY_TAG: result.tags[RESULT_KEY_TAG]})  # left RUNNING
     assert tracking.upload(tmp_path, TrackingConfig(uri=live_uri, experiment=tcfg.experiment)) == (1, 0)
     runs = runs_of(live_uri, tcfg.experiment)
     assert [r.info.status for r in runs] == ["FINISHED"]
@@ -172,7 +174,7 @@ def test_upload_replaces_a_half_logged_run(tmp_path, live_uri):
 
 WRITER = textwrap.dedent("""
     import sys, time, uuid
-    from harness import tracking
+    from harness.records import tracking
     from harness.config import TrackingConfig
     from harness.runner import Result
     uri, out, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -210,10 +212,10 @@ def test_four_concurrent_writers_into_a_fresh_sqlite_store_lose_nothing(tmp_path
 def test_sweep_parent_run_calls_are_bounded_too():
     import mlflow  # noqa: F401
 
-    from harness import sweep
+
 
     dead = TrackingConfig(uri=f"http://127.0.0.1:{closed_port()}")
     t0 = time.monotonic()
     with pytest.raises(Exception, match="127.0.0.1"):
-        sweep.mark_stale(dead)  # goes through tracking.client(): MLflow's own retries are off there too
+        mark_stale(dead)  # goes through mlflow_runs.client(): MLflow's own retries are off there too
     assert time.monotonic() - t0 < 8

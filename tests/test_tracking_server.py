@@ -1,4 +1,4 @@
-"""A real PostgreSQL + MLflow server (harness.server), two sweeps writing into it at once through the
+"""A real PostgreSQL + MLflow server (harness.records.server), two sweeps writing into it at once through the
 submitit_local launcher: every cell of both is recorded exactly once, with its metrics."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from harness import server
-from harness.server import pg_bin, tracking_server
+from harness.records import server
+from harness.records.server import pg_bin, tracking_server
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def sweep_cmd(name: str, results: Path, uri: str, sweep_dir: Path) -> list[str]:
             "tracking.experiment=server-test", f"tracking.results_dir={results}"]
 
 
-# heavy tier (make test-heavy, ~1 min): CI runs the documented `python -m harness.server --postgres-dir` command
+# heavy tier (make test-heavy, ~1 min): CI runs the documented `python -m harness.records.server --postgres-dir` command
 @pytest.mark.heavy
 def test_two_concurrent_sweeps_into_postgres_backed_server(tmp_path):
     pg_bin("initdb")  # a missing PostgreSQL is a setup error (scripts/setup.sh --all), not a skip
@@ -96,7 +96,7 @@ def pg_dir():
 
 @pytest.fixture()
 def argv_seen(monkeypatch) -> list[list[str]]:
-    """Every command line harness.server starts (subprocess.run and Popen), as the kernel would show it."""
+    """Every command line harness.records.server starts (subprocess.run and Popen), as the kernel would show it."""
     seen: list[list[str]] = []
     real_run, real_popen = subprocess.run, subprocess.Popen
 

@@ -11,10 +11,12 @@ import sys
 import pytest
 from conftest import ROOT
 
-from harness import crossover, report, sweep, workloads
+from harness import crossover, report, workloads
 from harness.config import MeasureConfig, build
 from harness.errors import ConfigError, QuantbenchError
 from harness.models import TinyRandom, byte_tokenizer, load_pretrained
+from harness.records.results import invocation_cells
+from harness.sweep.settings import FAULT_ENV, STATE_ENV
 from strategies.base import DecodeOptions
 from strategies.decode import DepthContext, greedy_generate
 
@@ -77,7 +79,7 @@ def test_workload_settings_are_validated(kwargs, message):
      "measure.prompt_tokens=1000 + 64 new tokens = 1064 positions, beyond the model's context of 1024"),
     (["measure.context_depth=1000", "measure.max_new_tokens=64"],
      "measure.context_depth=1000 + 64 new tokens = 1064 positions, beyond the model's context of 1024"),
-    (["measure.context_depth=8", "strategy=speculative"], "measure.context_depth=8 needs strategy=greedy"),
+    (["measure.context_depth=8", "strategy=speculative"], "measure.context_depth=8 is not supported by strategy Speculative"),
 ])
 def test_bad_workload_exits_2_before_any_model_loads(compose, results_overrides, tmp_path, capsys, overrides, message):
     from harness.cli import run_one
@@ -148,8 +150,9 @@ def test_decoding_at_depth_equals_decoding_the_concatenated_prompt(tiny, cache):
 def test_run_with_prompt_file_records_the_workload(compose, results_overrides, mlflow_dir):
     from mlflow.tracking import MlflowClient
 
-    from harness import runner, tracking
+    from harness import runner
     from harness.config import TrackingConfig
+    from harness.records import tracking
 
     cfg = compose([*TINY, "measure.prompts=docs/examples/prompts.jsonl", "measure.repetitions=2",
                    *results_overrides])
@@ -234,7 +237,7 @@ def test_crossover_figure_and_bench_table_in_the_report(tmp_path):
 @pytest.mark.heavy  # heavy tier (make test-heavy): keeps CI well inside 30 min on a cold machine
 def test_crossover_sweep_on_the_tiny_model(tmp_path):
     """The experiment itself, narrowed: 2 quantizers x 2 batch sizes at one depth, warm cells."""
-    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     done = subprocess.run([sys.executable, "run.py", "+experiment=crossover", *TINY, "quantizer=none,bf16",
                            "strategy.batch_size=1,2", "measure.context_depth=24", "measure.prompt_tokens=8",
                            f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra",
@@ -242,7 +245,7 @@ def test_crossover_sweep_on_the_tiny_model(tmp_path):
                           timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    cells = sweep.invocation_cells(tmp_path / "crossover")
+    cells = invocation_cells(tmp_path / "crossover")
     assert len(cells) == 4 and {c["status"] for c in cells} == {"OK"}
     assert {c["tags"]["sweep.start_method"] for c in cells} == {"forkserver"}
     assert {c["tags"]["workload.hash"] for c in cells} == {cells[0]["tags"]["workload.hash"]}  # same ids everywhere
@@ -265,7 +268,7 @@ def test_llama_bench_narrowed_on_both_engines_at_depth(tmp_path):
     the same ids, one table; llama.cpp's tokens at depth are its own greedy on the concatenated ids."""
     import llama_cpp
 
-    env = {k: v for k, v in os.environ.items() if k not in (sweep.FAULT_ENV, sweep.STATE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     done = subprocess.run([sys.executable, "run.py", "+experiment=llama_bench", "workload=tg128",
                            "measure.prompt_tokens=8", "measure.context_depth=40", "measure.max_new_tokens=6",
                            "measure.repetitions=2", "measure.warmup=1", "measure.kernel_profile=false",
@@ -274,7 +277,7 @@ def test_llama_bench_narrowed_on_both_engines_at_depth(tmp_path):
                           text=True, timeout=900)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    cells = {c["tags"]["engine"]: c for c in sweep.invocation_cells(tmp_path / "llama_bench")}
+    cells = {c["tags"]["engine"]: c for c in invocation_cells(tmp_path / "llama_bench")}
     assert sorted(cells) == ["llama_cpp", "transformers"]
     assert len({c["tags"]["workload.hash"] for c in cells.values()}) == 1  # the same ids for both engines
     assert all(c["metrics"]["context_depth_tokens"] == 40 for c in cells.values())

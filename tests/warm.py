@@ -2,7 +2,7 @@
 
 tests/test_docs.py runs every command the docs show. As fresh interpreters each would pay 10-30 s of imports
 on 2 cores before doing seconds of work; forked from a pre-imported `forkserver` (the same preload the sweeps
-use, harness/preload.py) they start in well under a second. The child is still its own process with the
+use, harness/sweep/preload.py) they start in well under a second. The child is still its own process with the
 command's argv, working directory, environment and file descriptors 1 and 2, and it runs the script or
 module as `__main__` exactly as `python` would (`runpy`), so what is tested is the documented entry point.
 Only the interpreter start is skipped; anything that needs a fresh interpreter (servers, `make`) is run as
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PRELOAD = ["harness.preload", "hydra", "mlflow", "harness.tracking", "harness.config", "harness.cli"]
+PRELOAD = ["harness.sweep.preload", "hydra", "mlflow", "harness.records.tracking", "harness.config", "harness.cli"]
 _CTX = None
 
 

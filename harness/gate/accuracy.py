@@ -24,13 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import env, metrics
 from harness.gate.errors import GateError
+from harness.records.results import write_json_atomic
 
 # accuracy bounds (module docstring); the file stores the values it was checked against
 PPL_RATIO = 1.01
 KL_RATIO, KL_SLACK = 1.10, 1e-3
 AGREEMENT_DROP = 0.01
-ACCURACY_METRICS = ("perplexity", "kl_div_mean", "top1_agreement")
+ACCURACY_METRICS = tuple(metrics.gate_accuracy_metrics())  # perplexity, kl_div_mean, top1_agreement
 # config keys that decide the deterministic metrics (speed-only and tracking settings excluded)
 ACCURACY_KEYS = ("model", "quantizer", "strategy", "accuracy", "measure.max_new_tokens", "measure.prompts",
                  "measure.chat_template", "measure.stop_at_eos", "measure.seed")
@@ -136,12 +138,8 @@ def load_baseline(path: Path) -> dict:
     return data
 
 
-
 def write_baseline(path: Path, side: Any, info: dict) -> str:
     """Write the candidate's deterministic metrics as the committed accuracy baseline."""
-    from harness import env
-    from harness.tracking import write_json_atomic
-
     metrics = side.accuracy()
     greedy = metrics.pop("greedy_tokens")
     for name, value in metrics.items():

@@ -1,7 +1,8 @@
 """`python -m harness.gate`: options, the run (load, measure, check accuracy, decide) and the exit code.
 
     python -m harness.gate --baseline "<hydra overrides>" --candidate "<hydra overrides>"
-    python -m harness.gate --baseline "<overrides>" --candidate-rev <git rev>   # compare code
+    python -m harness.gate --baseline "<overrides>" --baseline-rev <git rev> --candidate "<overrides>"  # code
+    make gate [BASE=<git rev>]   # CI: this checkout against a baseline revision on the smoke experiment
 
 Exit codes: 0 pass, 1 regression, 2 error. Anything that makes a comparison impossible (a side that
 fails to load or run, NaN, zero decode tokens, a metric missing on either side, a baseline file that
@@ -19,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from harness import quiet_third_party
 from harness.errors import QuantbenchError
 from harness.gate import accuracy, interleave, report
 from harness.gate.errors import ERROR, PASS, REGRESSION, GateError
@@ -40,7 +42,6 @@ class GateOptions:
     candidate_rev: str = ""
     threshold: float = DEFAULT.threshold
     block_steps: int = DEFAULT.block_steps
-    warmup_steps: int = DEFAULT.warmup_steps
     min_blocks: int = DEFAULT.min_pairs
     max_blocks: int = DEFAULT.max_pairs
     budget_s: float = DEFAULT.budget_s
@@ -57,8 +58,7 @@ class GateOptions:
     timeout_s: float = 900.0
 
     def plan(self) -> interleave.Plan:
-        return interleave.Plan(block_steps=self.block_steps, warmup_steps=self.warmup_steps,
-                               min_pairs=self.min_blocks, max_pairs=self.max_blocks, budget_s=self.budget_s,
+        return interleave.Plan(block_steps=self.block_steps, min_pairs=self.min_blocks, max_pairs=self.max_blocks, budget_s=self.budget_s,
                                threshold=self.threshold, confidence=self.confidence, resamples=self.resamples,
                                seed=self.seed)
 
@@ -88,30 +88,39 @@ class GateResult:
 
 
 def run_gate(opts: GateOptions) -> GateResult:
-    """Measure, compare and decide. Never raises for a failed comparison: the result carries code 2."""
+    """Measure, compare and decide. Never raises for a failed comparison: the result carries code 2.
+
+    Both sides are worker processes (harness/gate/sides.py); the baseline is not started when only
+    the candidate is needed (--write-baseline, --skip-speed).
+    """
     t0 = time.perf_counter()
     res = GateResult(code=ERROR, verdict="error", options=asdict(opts))
-    sides = [make_side("baseline", opts.baseline, opts.baseline_rev, opts.timeout_s),
-             make_side("candidate", opts.candidate, opts.candidate_rev, opts.timeout_s)]
+    base = make_side("baseline", opts.baseline, opts.baseline_rev, opts.timeout_s)
+    cand = make_side("candidate", opts.candidate, opts.candidate_rev, opts.timeout_s)
+    sides = [cand] if (opts.write_baseline or opts.skip_speed) else [base, cand]
     try:
-        for side in sides:  # every config problem before any model loads
+        data = {}
+        if opts.accuracy_baseline and not opts.write_baseline:  # a missing or broken file: refused first
+            data = accuracy.load_baseline(Path(opts.accuracy_baseline))
+        for side in sides:  # git checks (revision, protocol): nothing started yet
             side.validate()
-        base, cand = sides
+        configs = {}
+        for side in sides:  # each side's config checked by its own code, before any model loads
+            side.start()
+            configs[side.label] = side.check()
         if opts.write_baseline:
             res.info["candidate"] = cand.load()
             res.wrote_baseline = accuracy.write_baseline(Path(opts.accuracy_baseline), cand, res.info["candidate"])
             res.code, res.verdict = PASS, "pass"
             return res
-        if not opts.skip_speed or opts.accuracy_baseline:
-            res.info["candidate"] = cand.load()
+        if opts.accuracy_baseline:  # a baseline file written for another config: refused before loading
+            accuracy.check_baseline_config(configs["candidate"], data, Path(opts.accuracy_baseline))
+        res.info["candidate"] = cand.load()
         if not opts.skip_speed:
             res.info["baseline"] = base.load()
             a, b, res.speed = interleave.measure_sequential(base, cand, opts.plan())
             res.samples = {"baseline": a, "candidate": b}
         if opts.accuracy_baseline:
-            path = Path(opts.accuracy_baseline)
-            data = accuracy.load_baseline(path)
-            accuracy.check_baseline_config(res.info["candidate"].get("config", {}), data, path)
             res.accuracy_metrics = cand.accuracy()
             res.accuracy = accuracy.compare_accuracy(res.accuracy_metrics, data, opts.greedy_tokens)
         failed = ((res.speed is not None and res.speed.verdict == SPEED_REGRESSION)
@@ -142,9 +151,8 @@ def parse_args(argv: list[str] | None) -> GateOptions:
     d = DEFAULT
     ap.add_argument("--threshold", type=float, default=d.threshold,
                     help=f"smallest tokens/s drop that fails (fraction; {d.threshold})")
-    ap.add_argument("--block-steps", type=int, default=d.block_steps, help=f"timed decode steps per block ({d.block_steps})")
-    ap.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                    help=f"untimed steps at the start of each block ({d.warmup_steps})")
+    ap.add_argument("--block-steps", type=int, default=d.block_steps,
+                    help=f"decode tokens per block, at least: whole generate calls ({d.block_steps})")
     ap.add_argument("--min-blocks", "--repetitions", dest="min_blocks", type=int, default=d.min_pairs,
                     help=f"blocks per side at the first look (even, >= 8; {d.min_pairs})")
     ap.add_argument("--max-blocks", type=int, default=d.max_pairs,
@@ -162,7 +170,7 @@ def parse_args(argv: list[str] | None) -> GateOptions:
     ap.add_argument("--summary", default="", help="also write the markdown summary here")
     ap.add_argument("--output", default="", help="gate JSON record (default: <results_dir>/gate/...)")
     ap.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds a revision worker may take per request")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds a side's worker may take per request")
     args = ap.parse_args(argv)
     baseline = shlex.split(args.baseline)
     candidate = baseline if args.candidate is None else shlex.split(args.candidate)
@@ -170,7 +178,7 @@ def parse_args(argv: list[str] | None) -> GateOptions:
         raise GateError("give --candidate \"<overrides>\" and/or --candidate-rev <git rev>")
     return GateOptions(baseline=baseline, candidate=candidate, baseline_rev=args.baseline_rev,
                        candidate_rev=args.candidate_rev, threshold=args.threshold, block_steps=args.block_steps,
-                       warmup_steps=args.warmup_steps, min_blocks=args.min_blocks, max_blocks=args.max_blocks,
+                       min_blocks=args.min_blocks, max_blocks=args.max_blocks,
                        budget_s=args.budget, resamples=args.resamples, seed=args.seed, confidence=args.confidence,
                        accuracy_baseline=args.accuracy_baseline, write_baseline=args.write_baseline,
                        greedy_tokens=args.greedy_tokens, skip_speed=args.skip_speed, summary=args.summary,
@@ -179,8 +187,6 @@ def parse_args(argv: list[str] | None) -> GateOptions:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from harness import quiet_third_party
-
     quiet_third_party()
     try:
         opts = parse_args(argv)

@@ -1,10 +1,11 @@
 """How the gate measures speed: short blocks of both sides, A B B A, looked at until the answer is clear.
 
-Two loaded sides (harness/gate/sides.py) take turns in blocks of `block_steps` timed decode steps
-(each block starts with `warmup_steps` untimed ones, and the step after a new prompt's prefill is
-untimed too: harness/gate_worker.py `BlockDecoder`). Blocks come in groups A B B A: pairs (A, B) and
-(B, A), so the side that goes second, right after a switch, is A as often as B. One untimed group warms
-both sides up first.
+Two loaded sides (harness/gate/sides.py: worker processes, each on its own revision's pipeline) take
+turns in blocks. A block is one or more whole generate calls of the side's next prompt batches, until
+at least `block_steps` decode tokens (harness/gate/worker.py); its speed is decode tokens / decode wall
+clock, the definition of run.py's `decode_tokens_per_s`, so the gate compares what run.py measures.
+Blocks come in groups A B B A: pairs (A, B) and (B, A), so the side that goes second, right after a
+switch, is A as often as B. One untimed group warms both sides up first.
 
 After `min_pairs` pairs the statistic is looked at (harness/gate/stats.py); while it is undecided the
 gate keeps measuring and looks again at 2x, 4x, ... the pairs, up to `max_pairs`, or until
@@ -34,8 +35,7 @@ MIN_DECIDE_PAIRS = 32
 class Plan:
     """What the sequential measurement does (the CLI options of the same names, docs/gate.md)."""
 
-    block_steps: int = 16
-    warmup_steps: int = 1
+    block_steps: int = 16  # decode tokens per block, at least (whole generate calls)
     min_pairs: int = 64
     max_pairs: int = 2048
     budget_s: float = 120.0
@@ -48,9 +48,7 @@ class Plan:
     def problems(self) -> list[str]:
         p = []
         if self.block_steps < 1:
-            p.append(f"--block-steps {self.block_steps}: at least 1 timed step per block")
-        if self.warmup_steps < 0:
-            p.append(f"--warmup-steps {self.warmup_steps}: must be >= 0")
+            p.append(f"--block-steps {self.block_steps}: at least 1 decode token per block")
         if self.min_pairs < MIN_BUDGET_PAIRS or self.min_pairs % 2:
             p.append(f"--min-blocks {self.min_pairs}: give an even number >= {MIN_BUDGET_PAIRS} (whole A B B A groups)")
         if self.max_pairs < self.min_pairs:
@@ -69,12 +67,12 @@ class Plan:
 
 
 def block_tps(reply: dict, label: str) -> float:
-    """Tokens/s of one block reply; anything that cannot be compared is a GateError."""
-    steps = reply.get("step_s") or []
-    seconds, tokens = float(sum(steps)), reply.get("tokens", 0)
+    """Decode tokens/s of one block reply (tokens / decode wall clock); what cannot be compared is a GateError."""
+    tokens = reply.get("decode_tokens", 0)
+    seconds = reply.get("decode_wall_s", float("nan"))
     if not tokens:
         raise GateError(f"{label}: zero decode tokens were generated; use measure.max_new_tokens >= 2")
-    if not (math.isfinite(seconds) and seconds > 0):
+    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
         raise GateError(f"{label}: a block's decode time is {seconds!r}")
     return tokens / seconds
 
@@ -88,17 +86,17 @@ def measure_sequential(base: Any, cand: Any, plan: Plan, clock: Callable[[], flo
     """
     sizes = stats.look_schedule(plan.min_pairs, plan.max_pairs)
     alpha = stats.pocock_alpha(tuple(sizes), 1.0 - plan.confidence)
-    k, w = plan.block_steps, plan.warmup_steps
+    k = plan.block_steps
     order = ((base, "baseline"), (cand, "candidate"), (cand, "candidate"), (base, "baseline"))
     for side, _ in order:  # one untimed group: first calls allocate, fill caches, size injected work
-        side.block(k, w)
+        side.block(k)
     a: list[float] = []
     b: list[float] = []
     looks: list[stats.Look] = []
     nxt = 0
     t0 = clock()
     while True:
-        tps = [block_tps(side.block(k, w), label) for side, label in order]
+        tps = [block_tps(side.block(k), label) for side, label in order]
         a += [tps[0], tps[3]]
         b += [tps[1], tps[2]]
         spent = clock() - t0

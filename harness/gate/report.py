@@ -7,6 +7,7 @@ JSON record goes under `<tracking.results_dir>/gate/` (or `--output PATH`); the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,8 +17,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from harness import env, metrics
+from harness.config import TrackingConfig, build, compose
 from harness.gate.accuracy import ACCURACY_METRICS
 from harness.gate.stats import TRIM, UNDECIDED
+from harness.records import results, tracking
+from harness.runner import Result
+
+SPEED = metrics.gate_speed_metric()  # decode_tokens_per_s: what a block's tokens/s is (harness/metrics.py)
 
 
 def _pct(x: float) -> str:
@@ -26,7 +33,7 @@ def _pct(x: float) -> str:
 
 def _describe(overrides: list[str], rev: str) -> str:
     text = " ".join(overrides) or "(defaults)"
-    return f"`{text}` at `{rev}`" if rev else f"`{text}`"
+    return f"`{text}` at `{rev}`" if rev else f"`{text}` (this checkout)"
 
 
 def summary_markdown(res: Any) -> str:
@@ -44,7 +51,7 @@ def summary_markdown(res: Any) -> str:
         lines += ["", f"**error:** {res.error}"]
     if s is not None:
         level = 1 - s.alpha
-        lines += ["", f"| speed (decode tok/s, blocks of {s.block_steps} steps) | baseline | candidate | change | "
+        lines += ["", f"| speed (decode tok/s, blocks of >= {s.block_steps} decode tokens) | baseline | candidate | change | "
                   f"bounds ({level:.1%} each side) | fails below | blocks per side | verdict |",
                   "|---|---|---|---|---|---|---|---|",
                   f"| A B B A interleaved | {s.baseline_tps:.1f} | {s.candidate_tps:.1f} | {_pct(s.change)} | "
@@ -70,8 +77,6 @@ def summary_markdown(res: Any) -> str:
 
 
 def _tracking_config(opts: Any):
-    from harness.config import TrackingConfig, build, compose
-
     for overrides, rev in ((opts.baseline, opts.baseline_rev), (opts.candidate, opts.candidate_rev)):
         if not rev:
             try:
@@ -87,7 +92,7 @@ def speed_metrics(s: Any) -> dict[str, float]:
             "speed_threshold": s.threshold, "speed_effective_threshold": s.threshold,
             "speed_alpha_look": s.alpha, "speed_looks": float(len(s.looks)), "speed_seconds": s.seconds,
             "speed_block_steps": float(s.block_steps), "repetitions": float(s.pairs),
-            "baseline_decode_tokens_per_s": s.baseline_tps, "candidate_decode_tokens_per_s": s.candidate_tps,
+            f"baseline_{SPEED}": s.baseline_tps, f"candidate_{SPEED}": s.candidate_tps,
             "speed_cv_ratio": s.cv_ratio, "baseline_cv": s.cv_baseline, "candidate_cv": s.cv_candidate,
             "baseline_cv_classic": s.cv_baseline_classic, "candidate_cv_classic": s.cv_candidate_classic,
             "speed_lag1": s.lag1, "speed_order_effect": s.order_effect}
@@ -95,11 +100,6 @@ def speed_metrics(s: Any) -> dict[str, float]:
 
 def record(res: Any, opts: Any, markdown: str) -> str:
     """Result JSON (atomic) + one MLflow run with the bounds and the verdict; returns the JSON path."""
-    import dataclasses
-
-    from harness import env, tracking
-    from harness.runner import Result
-
     tcfg = _tracking_config(opts)
     tcfg = dataclasses.replace(tcfg, experiment=f"{tcfg.experiment}-gate", enabled=tcfg.enabled and opts.mlflow)
     metrics: dict[str, float] = {"exit_code": float(res.code), "gate_seconds": res.seconds}
@@ -118,7 +118,7 @@ def record(res: Any, opts: Any, markdown: str) -> str:
                     metrics={k: v for k, v in metrics.items() if math.isfinite(v)}, tags=tags, error=res.error,
                     run_name=f"gate-{res.verdict}", config_hash="gate", started=now - res.seconds, ended=now)
     result.samples = []
-    path = Path(opts.output) if opts.output else tracking.json_path(result, tcfg, folder="gate")
+    path = Path(opts.output) if opts.output else results.json_path(result, tcfg, folder="gate")
     data_artifacts = {"gate_summary.md": markdown,
                       "gate_samples.json": json.dumps({"samples": res.samples, "speed": asdict(res.speed)
                                                        if res.speed else None}, indent=1)}

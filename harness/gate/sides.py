@@ -1,19 +1,20 @@
-"""The two sides of a gate: a config measured in this process, or a git revision measured by a worker.
+"""The two sides of a gate: each a worker process (harness/gate/worker.py) on its own code.
 
-Both kinds answer the same calls, so the interleaving (harness/gate/interleave.py) does not care which
-it drives:
+Both sides are the same kind of process, so neither has an advantage the other lacks (its own
+interpreter, allocator and thread pool; the idle one waits on its input while the other measures):
 
-- `validate()`: every config problem before anything loads (returns the plain config, or {});
-- `load()`: load the model once (returns info: run name, device, threads, torch, config);
-- `block(steps, warmup)`: one block of `steps` timed decode steps, `{"step_s": [...], "tokens": n}`;
-- `accuracy()`: the deterministic metrics (perplexity, KL, top-1 agreement, greedy tokens);
-- `close()`: free the model; for a revision, stop the worker and remove its worktree.
+- a side without a revision runs `python -m harness.gate.worker` in this checkout, uncommitted changes
+  included (what `make gate` measures as the candidate);
+- a side with `--*-rev REV` runs it in a temporary `git worktree` of that revision, so every module,
+  the measurement pipeline and the decode loop included, is the revision's own.
 
-`InProcessSide` holds a `harness.gate_worker.LoadedSide` (its own model, KV cache and prompt state), so
-two config sides share this process and alternate block by block. `WorktreeSide` checks a revision out
-into a temporary `git worktree` and starts `harness/gate_worker.py` there, speaking JSON lines over
-its stdin/stdout; two revision sides are two such workers, taking turns because the gate asks them one
-at a time.
+A side answers the calls the interleaving (harness/gate/interleave.py) makes:
+`validate()` (git checks, nothing started), `start()` (the worker, and the protocol handshake),
+`check()` (the config validated by the side's own code; nothing loads), `load()`, `block(min_tokens)`,
+`accuracy()` and `close()` (stop the worker, remove the worktree).
+
+A revision whose `harness/gate/worker.py` is missing or speaks another protocol is refused in one line
+before anything starts, naming the first revision that speaks this gate's protocol.
 """
 
 from __future__ import annotations
@@ -21,88 +22,122 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
 
 from harness.gate.errors import GateError
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "harness" / "gate_worker.py"
+WORKER_PATH = "harness/gate/worker.py"
+PROTOCOL = 1  # the protocol this gate speaks: equal to harness/gate/worker.py's PROTOCOL (tested)
+PROTOCOL_LINE = re.compile(r"^PROTOCOL\s*=\s*(\d+)\s*$", re.M)
 
 
-class InProcessSide:
-    """A side measured in this process (current checkout)."""
-
-    def __init__(self, label: str, overrides: list[str]):
-        self.label, self.overrides, self.rev = label, overrides, ""
-        self._side: Any = None
-
-    def validate(self) -> dict:
-        """Compose + build without loading (every config problem at once); returns the plain config."""
-        from harness.config import build, compose
-
-        exp = build(compose(self.overrides))
-        exp.model.preflight()
-        exp.accuracy.preflight()
-        return exp.config
-
-    def load(self) -> dict:
-        from harness.gate_worker import LoadedSide
-
-        self._side = LoadedSide(self.overrides)
-        return self._side.info()
-
-    def block(self, steps: int, warmup: int) -> dict:
-        return self._side.block(steps, warmup)
-
-    def accuracy(self) -> dict:
-        return self._side.accuracy()
-
-    def close(self) -> None:
-        if self._side is not None:
-            self._side.close()
-            self._side = None
+def git(*args: str, repo: Path | None = None) -> str:
+    out = subprocess.run(["git", "-C", str(repo or REPO), *args], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
-class WorktreeSide:
-    """A side measured by a worker process running a git revision's code from a temporary worktree."""
+def first_speaking(protocol: int = PROTOCOL, repo: Path | None = None) -> str:
+    """'<sha> <subject>' of the first commit (in HEAD's history) whose worker speaks `protocol`, or ''."""
+    log = git("log", "--reverse", "--format=%H %s", "HEAD", "--", WORKER_PATH, repo=repo)  # a few commits
+    for line in log.splitlines():
+        if revision_protocol(line.split(" ", 1)[0], repo) == protocol:
+            return line
+    return ""
 
-    def __init__(self, label: str, overrides: list[str], rev: str, timeout_s: float):
-        self.label, self.overrides, self.rev, self.timeout_s = label, overrides, rev, timeout_s
+
+def revision_protocol(sha: str, repo: Path | None = None) -> int | None:
+    """The gate protocol of a revision's worker, read from the committed file (None: no worker)."""
+    if subprocess.run(["git", "-C", str(repo or REPO), "cat-file", "-e", f"{sha}:{WORKER_PATH}"],
+                      capture_output=True).returncode:
+        return None
+    found = PROTOCOL_LINE.search(git("show", f"{sha}:{WORKER_PATH}", repo=repo))
+    return int(found.group(1)) if found else None
+
+
+def protocol_problem(label: str, rev: str, sha: str, repo: Path | None = None) -> str:
+    """One line when revision `sha` cannot be measured by this gate, else ''."""
+    speaks = revision_protocol(sha, repo)
+    if speaks == PROTOCOL:
+        return ""
+    first = first_speaking(PROTOCOL, repo) or "not yet committed"
+    what = (f"predates gate protocol {PROTOCOL}" if speaks is None or speaks < PROTOCOL
+            else f"speaks gate protocol {speaks}, this gate speaks {PROTOCOL}")
+    return (f"--{label}-rev {rev} ({sha[:12]}) {what}; the first revision that speaks it is {first}; "
+            "pick that or a later one")
+
+
+class WorkerSide:
+    """A side measured by a worker process on this checkout (`rev` empty) or on a revision's worktree."""
+
+    def __init__(self, label: str, overrides: list[str], rev: str = "", timeout_s: float = 900.0,
+                 repo: Path | None = None):
+        self.label, self.overrides, self.rev, self.timeout_s = label, list(overrides), rev, timeout_s
+        self.repo = repo or REPO
         self.sha = ""
         self.tmp: Path | None = None
-        self.root: Path | None = None
+        self.root: Path | None = None  # the worktree of a revision side
         self.proc: subprocess.Popen | None = None
         self.lines: queue.Queue[str | None] = queue.Queue()
-        self.stderr_path: Path | None = None
+        self.log_path: Path | None = None
 
-    def validate(self) -> dict:
-        sha = _git("rev-parse", "--verify", "--quiet", f"{self.rev}^{{commit}}")
+    @property
+    def where(self) -> str:
+        return f"{self.label} at {self.rev}" if self.rev else f"{self.label} (this checkout)"
+
+    def validate(self) -> None:
+        """Git checks only (nothing starts): the revision exists and its worker speaks this protocol."""
+        if not self.rev:
+            return
+        sha = git("rev-parse", "--verify", "--quiet", f"{self.rev}^{{commit}}", repo=self.repo)
         if not sha:
-            raise GateError(f"--{self.label}-rev {self.rev!r} is not a commit in {REPO}; give a branch, tag or sha")
+            raise GateError(f"--{self.label}-rev {self.rev!r} is not a commit in {self.repo}; give a branch, tag "
+                            "or sha (a CI checkout needs the history: fetch-depth: 0)")
         self.sha = sha
-        return {}
+        if problem := protocol_problem(self.label, self.rev, sha, self.repo):
+            raise GateError(problem)
 
-    def load(self) -> dict:
+    def start(self) -> None:
+        """Start the worker (in a temporary worktree for a revision) and check that it speaks PROTOCOL."""
         self.tmp = Path(tempfile.mkdtemp(prefix="qb-gate-"))
-        self.root = self.tmp / "tree"
-        out = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(self.root), self.sha],
-                             capture_output=True, text=True)
-        if out.returncode:
-            raise GateError(f"git worktree add {self.rev} failed: {out.stderr.strip().splitlines()[-1:]}")
-        self.stderr_path = self.tmp / "worker.log"
+        cwd = self.repo
+        if self.rev:
+            self.root = self.tmp / "tree"
+            out = subprocess.run(["git", "-C", str(self.repo), "worktree", "add", "--detach", str(self.root),
+                                  self.sha], capture_output=True, text=True)
+            if out.returncode:
+                self.root = None
+                raise GateError(f"git worktree add {self.rev} failed: {(out.stderr.strip().splitlines() or [''])[-1]}")
+            cwd = self.root
+        self.log_path = self.tmp / "worker.log"
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-        env.pop("PYTHONPATH", None)
-        with open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, str(WORKER), str(self.root)], cwd=self.root, env=env,
+        env.pop("PYTHONPATH", None)  # every module comes from the side's own checkout (cwd first on sys.path)
+        with open(self.log_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "harness.gate.worker"], cwd=cwd, env=env,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         threading.Thread(target=self._pump, daemon=True).start()
-        return self._ask({"cmd": "load", "overrides": self.overrides})["info"]
+        speaks = self.ask({"cmd": "hello"}).get("protocol")
+        if speaks != PROTOCOL:
+            raise GateError(f"{self.where}: its worker speaks gate protocol {speaks}, this gate speaks {PROTOCOL}")
+
+    def check(self) -> dict:
+        """The config, validated and preflighted by the side's own code; nothing loads. Returns it (plain)."""
+        return self.ask({"cmd": "check", "overrides": self.overrides})["config"]
+
+    def load(self) -> dict:
+        return self.ask({"cmd": "load"})["info"]
+
+    def block(self, min_tokens: int) -> dict:
+        return self.ask({"cmd": "block", "min_tokens": min_tokens})["block"]
+
+    def accuracy(self) -> dict:
+        return self.ask({"cmd": "accuracy"})["metrics"]
 
     def _pump(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -110,64 +145,56 @@ class WorktreeSide:
             self.lines.put(line)
         self.lines.put(None)
 
-    def _ask(self, request: dict) -> dict:
+    def ask(self, request: dict) -> dict:
+        """Send one request, wait for its reply (at most `timeout_s`); a failed reply is a GateError."""
         assert self.proc is not None and self.proc.stdin is not None
-        where = f"{self.label} at {self.rev}"
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             line = self.lines.get(timeout=self.timeout_s)
         except queue.Empty as exc:
-            raise GateError(f"{where}: no answer to {request['cmd']!r} within {self.timeout_s:.0f} s; raise "
+            raise GateError(f"{self.where}: no answer to {request['cmd']!r} within {self.timeout_s:.0f} s; raise "
                             "--timeout") from exc
         except OSError:
             line = None
         if line is None:
-            raise GateError(f"{where}: worker exited ({self._tail()})")
-        reply = json.loads(line)
+            raise GateError(f"{self.where}: worker exited ({self._tail()})")
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise GateError(f"{self.where}: not a protocol reply: {line.strip()[:200]!r}") from exc
         if not reply.get("ok"):
-            raise GateError(f"{where}: {reply.get('error', 'failed')}")
+            raise GateError(f"{self.where}: {reply.get('error', 'failed')}")
         return reply
 
     def _tail(self) -> str:
         try:
-            lines = [x for x in (self.stderr_path.read_text().splitlines() if self.stderr_path else []) if x.strip()]
+            lines = [x for x in (self.log_path.read_text().splitlines() if self.log_path else []) if x.strip()]
         except OSError:
             lines = []
         return lines[-1][:300] if lines else "no output"
-
-    def block(self, steps: int, warmup: int) -> dict:
-        return self._ask({"cmd": "block", "steps": steps, "warmup": warmup})["block"]
-
-    def accuracy(self) -> dict:
-        return self._ask({"cmd": "accuracy"})["metrics"]
 
     def close(self) -> None:
         if self.proc is not None:
             try:
                 if self.proc.poll() is None:
-                    self._ask({"cmd": "quit"})
+                    self.ask({"cmd": "quit"})
                 self.proc.wait(timeout=30)
             except Exception:  # noqa: BLE001 - a stuck worker is killed, the gate's verdict stands
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
         if self.root is not None:
-            out = subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(self.root)],
+            out = subprocess.run(["git", "-C", str(self.repo), "worktree", "remove", "--force", str(self.root)],
                                  capture_output=True, text=True)
             if out.returncode:
                 shutil.rmtree(self.root, ignore_errors=True)
-                subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], capture_output=True)
+                subprocess.run(["git", "-C", str(self.repo), "worktree", "prune"], capture_output=True)
             self.root = None
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
 
 
-def _git(*args: str) -> str:
-    out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else ""
-
-
-def make_side(label: str, overrides: list[str], rev: str, timeout_s: float):
-    return WorktreeSide(label, overrides, rev, timeout_s) if rev else InProcessSide(label, overrides)
+def make_side(label: str, overrides: list[str], rev: str, timeout_s: float, repo: Path | None = None) -> WorkerSide:
+    return WorkerSide(label, overrides, rev, timeout_s, repo)

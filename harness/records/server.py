@@ -1,7 +1,7 @@
 """A shared MLflow tracking server on 127.0.0.1, backed by PostgreSQL, with a local artifact root.
 
-    python -m harness.server --postgres-dir results/postgres            # a local PostgreSQL too
-    python -m harness.server --backend-store-uri postgresql://user@dbhost:5432/mlflow   # password: ~/.pgpass
+    python -m harness.records.server --postgres-dir results/postgres            # a local PostgreSQL too
+    python -m harness.records.server --backend-store-uri postgresql://user@dbhost:5432/mlflow   # password: ~/.pgpass
 
 then point runs at it: `python run.py ... tracking.uri=http://127.0.0.1:5000`. The server proxies
 artifacts (--serve-artifacts), so clients need no access to the artifact folder.
@@ -311,7 +311,7 @@ def tracking_server(artifacts_dir: Path, log_path: Path, port: int = 0, backend_
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.server", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m harness.records.server", description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend-store-uri", default="",
                     help=f"postgresql://user@host:port/db, without a password (put it in ~/.pgpass or PGPASSFILE); "
                          f"default ${URI_ENV}, which may hold one")

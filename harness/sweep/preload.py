@@ -1,4 +1,4 @@
-"""What a sweep's forkserver imports once, so that every cell forked from it starts warm (harness/sweep.py).
+"""What a sweep's forkserver imports once, so that every cell forked from it starts warm (harness/sweep/).
 
 A cell's own process keeps it isolated (its memory, threads and any crash end with it), but a fresh
 interpreter pays torch's and transformers' imports again for every cell (10-20 s on 2 loaded cores). The
@@ -38,6 +38,7 @@ import harness.fast_path  # noqa: F401, E402
 import harness.models  # noqa: F401, E402
 import harness.roofline  # noqa: F401, E402
 import harness.runner  # noqa: F401, E402
+import harness.sweep.isolated  # noqa: F401, E402 - the cell's entry point (child_main)
 import harness.workloads  # noqa: F401, E402
 import quantizers.auto  # noqa: F401, E402
 import quantizers.dtype  # noqa: F401, E402

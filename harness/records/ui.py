@@ -1,12 +1,12 @@
 """`make ui`: the MLflow UI over the local store, loopback only, with a link to each experiment's runs.
 
-    python -m harness.ui                 # results/mlflow.db on http://127.0.0.1:5000 (what `make ui` runs)
-    python -m harness.ui --links         # only print the links (for a UI that already runs)
+    python -m harness.records.ui                 # results/mlflow.db on http://127.0.0.1:5000 (what `make ui` runs)
+    python -m harness.records.ui --links         # only print the links (for a UI that already runs)
 
 Why the links: MLflow 3.17 opens an experiment on its GenAI overview ("Traces 0, No data available")
 until "Model training" is picked at the top of its sidebar, and its UI decides that from the browser's
 remembered choice, not from the experiment's `mlflow.experimentKind` tag (which quantbench still sets;
-see harness/tracking.py). A link with `workflowType=machine_learning` opens the runs table directly.
+see harness/records/mlflow_runs.py). A link with `workflowType=machine_learning` opens the runs table directly.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from harness.config import TrackingConfig
-from harness.tracking import runs_url
+from harness.records.mlflow_runs import runs_url
 
 HOST = "127.0.0.1"  # loopback only: the UI can change and delete runs
 
@@ -26,7 +26,7 @@ def experiment_links(store_uri: str, base_url: str) -> list[tuple[str, str]]:
     """(name, runs-table link) of every active experiment in the store that holds a run."""
     if store_uri.startswith("sqlite:///") and not Path(store_uri[len("sqlite:///"):]).exists():
         return []  # nothing recorded yet; do not create the store just to list it
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # heavy (seconds): only when listing, after the cheap check above
 
     c = MlflowClient(tracking_uri=store_uri)
     return [(e.name, runs_url(base_url, e.experiment_id)) for e in c.search_experiments()
@@ -34,7 +34,7 @@ def experiment_links(store_uri: str, base_url: str) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.ui", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m harness.records.ui", description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend-store-uri", default=TrackingConfig().resolved_uri(),
                     help="MLflow store (default: results/mlflow.db under the current folder)")
     ap.add_argument("--port", type=int, default=5000)

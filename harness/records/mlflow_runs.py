@@ -1,0 +1,269 @@
+"""MLflow: one run per result, created after the work in one go, with bounded waits.
+
+MLflow calls are retried with bounded exponential backoff (SQLite's "database is locked" under
+concurrent writers, a server restarting); MLflow's own HTTP retries are turned off around our calls
+(`bounded_http`), and writers of one SQLite store take turns (`store_lock`). A run is never left RUNNING
+by a failure: it ends FINISHED (status OK, or SKIPPED: cannot run on this hardware, the reason in tag
+`error`), KILLED or FAILED (the message in tag `error`); tag `status` always holds quantbench's status.
+
+mlflow itself is imported where it is used: it takes seconds, and `run.py --help`, the config checks and
+a sweep's cells (which log nothing themselves) must not pay for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+from omegaconf import OmegaConf
+
+from harness.config import TrackingConfig
+from harness.records.results import RESULT_KEY_TAG, result_key
+from harness.runner import Result
+
+log = logging.getLogger("quantbench")
+MAX_PARAM_CHARS = 6000
+SQLITE_LOCK_WAIT_S = 300.0  # other writers' turns; a wedged holder fails the log, not the run
+# MLflow's experiment type: its UI offers "genai_development" (GenAI apps & agents) and
+# "custom_model_development" ("Machine learning": the runs table first) and writes this tag itself when a
+# person picks one. MLflow 3.17's UI takes the type from its GenAI / Model training switch instead (see
+# `runs_url`), older and other clients read the tag.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, str]:
+    """A nested config as MLflow params: dotted keys, values as (capped) strings."""
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = str(value)[:MAX_PARAM_CHARS]
+    return out
+
+
+def retry(fn: Callable[[], Any], tcfg: TrackingConfig, what: str) -> Any:
+    """Call fn with bounded exponential backoff + jitter.
+
+    At most `tcfg.retries` retries, and none once `tcfg.timeout_s` has passed since the first attempt:
+    a refused connection gives up after ~2 s of backoff, a hung server after one request timeout.
+    """
+    delay = 0.2
+    start = time.monotonic()
+    for attempt in range(tcfg.retries + 1):
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - any tracking failure is retried, then reported
+            if attempt == tcfg.retries or time.monotonic() - start >= tcfg.timeout_s:
+                raise
+            log.warning("%s failed (%s: %s); retry %d/%d", what, type(exc).__name__, str(exc)[:200],
+                        attempt + 1, tcfg.retries)
+            time.sleep(delay + random.random() * delay)
+            delay = min(delay * 2, 2.0)
+
+
+@contextlib.contextmanager
+def bounded_http(tcfg: TrackingConfig) -> Iterator[None]:
+    """Turn off MLflow's own HTTP retries for the duration of a logging call; `retry` above does it.
+
+    MLflow's defaults (7 retries, backoff factor 2, 120 s timeout) make one call to a down server take
+    minutes, multiplied by every retry of ours. The variables are read per request, so setting them
+    around our calls (and restoring them after) bounds the wait without changing other MLflow users.
+    """
+    wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+              "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
+              "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(round(tcfg.timeout_s))))}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def store_lock(tcfg: TrackingConfig) -> Iterator[None]:
+    """Serialize writers of one SQLite store across processes (no-op for servers).
+
+    Concurrent first writers into a fresh SQLite file race on MLflow's schema migration ("table
+    _alembic_tmp_runs already exists", "database is locked") and can leave the store half-migrated;
+    later writers still hit "database is locked". A file lock beside the database makes the writers
+    take turns; waiting for it is progress (another run being logged), so its wait is generous.
+    """
+    uri = tcfg.resolved_uri()
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(db) + ".lock", timeout=SQLITE_LOCK_WAIT_S):
+        yield
+
+
+class BoundedClient:
+    """An MlflowClient whose every call runs under `bounded_http` (for callers outside log_to_mlflow,
+    e.g. the sweep's parent run): without it one call to a down server takes minutes."""
+
+    def __init__(self, inner: Any, tcfg: TrackingConfig):
+        self._inner, self._tcfg = inner, tcfg
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with bounded_http(self._tcfg):
+                return attr(*args, **kwargs)
+
+        return call
+
+
+def client(tcfg: TrackingConfig) -> BoundedClient:
+    """An MLflow client of `tcfg`'s store, every call bounded (`BoundedClient`)."""
+    from mlflow.tracking import MlflowClient  # heavy (seconds): only where MLflow is really contacted
+
+    return BoundedClient(MlflowClient(tracking_uri=tcfg.resolved_uri()), tcfg)
+
+
+def experiment_id(c: Any, tcfg: TrackingConfig, name: str | None = None) -> str:
+    """Id of experiment `name` (default `tcfg.experiment`), created if missing; either way it ends up
+    tagged as model development (`ensure_experiment_kind`)."""
+    name = name or tcfg.experiment
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        ensure_experiment_kind(c, exp)
+        return exp.experiment_id
+    location = None
+    if not tcfg.uri:  # local store: keep artifacts beside the database, not in the cwd
+        location = Path(os.path.abspath(os.path.join(tcfg.results_dir, "mlartifacts"))).as_uri()
+    try:
+        return c.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+    except Exception:  # noqa: BLE001 - created concurrently by another process
+        exp = c.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        ensure_experiment_kind(c, exp)
+        return exp.experiment_id
+
+
+def ensure_experiment_kind(c: Any, exp: Any) -> None:
+    """Tag an experiment `custom_model_development` unless it already has a kind (a person's choice
+    stays). Covers experiments made before the tag existed; costs nothing once set. Best effort: a
+    store that refuses the tag still takes the runs."""
+    if (exp.tags or {}).get(EXPERIMENT_KIND_TAG):
+        return
+    try:
+        c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    except Exception as exc:  # noqa: BLE001 - cosmetic for the UI; never fail a run over it
+        log.warning("could not tag experiment %s with %s: %s", exp.name, EXPERIMENT_KIND_TAG, str(exc)[:200])
+
+
+def runs_url(base_url: str, exp_id: str) -> str:
+    """Link to an experiment's runs table in the MLflow UI.
+
+    MLflow 3.17's UI opens an experiment on its GenAI overview whatever the experiment's tags say: the
+    page kind comes from the GenAI / Model training switch at the top of its sidebar (remembered per
+    browser, GenAI at first) or from `workflowType` in the link, which this sets.
+    """
+    return f"{base_url.rstrip('/')}/#/experiments/{exp_id}/runs?workflowType=machine_learning"
+
+
+def log_to_mlflow(result: Result, tcfg: TrackingConfig, parent_run_id: str | None = None,
+                  artifacts: dict[str, str] | None = None) -> str:
+    """Create one MLflow run holding the result; returns its run id.
+
+    Bounded (see `retry`, `bounded_http`), serialized per SQLite store (`store_lock`). A run that fails
+    half-way is deleted (best effort) so a later `upload` does not leave a duplicate beside it.
+    """
+    result_key(result)
+    with bounded_http(tcfg), store_lock(tcfg):
+        c = client(tcfg)
+        run_id_box: list[str] = []
+        try:
+            return _log(c, result, tcfg, parent_run_id, artifacts, on_created=run_id_box.append)
+        except Exception:
+            for rid in run_id_box:
+                with contextlib.suppress(Exception):  # server down: `upload` finds it RUNNING and replaces it
+                    c.delete_run(rid)
+            raise
+
+
+def _log(c: Any, result: Result, tcfg: TrackingConfig, parent_run_id: str | None,
+         artifacts: dict[str, str] | None, on_created: Callable[[str], None]) -> str:
+    from mlflow.entities import Metric, Param  # heavy: see `client`
+
+    exp_id = retry(lambda: experiment_id(c, tcfg), tcfg, "mlflow experiment")
+    tags = {k: str(v)[:5000] for k, v in result.tags.items()}
+    tags["mlflow.runName"] = result.run_name
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run = retry(lambda: c.create_run(exp_id, run_name=result.run_name, tags=tags,
+                                     start_time=int(result.started * 1000)), tcfg, "mlflow create_run")
+    run_id = run.info.run_id
+    on_created(run_id)
+    now_ms = int(time.time() * 1000)
+    params = [Param(k, v) for k, v in flatten(result.config).items()]
+    metrics = [Metric(k, float(v), now_ms, 0) for k, v in result.metrics.items()]
+    for i in range(0, max(len(params), len(metrics), 1), 100):  # MLflow caps a batch at 100 params
+        p, m = params[i:i + 100], metrics[i:i + 100]
+        retry(lambda p=p, m=m: c.log_batch(run_id, metrics=m, params=p), tcfg, "mlflow log_batch")
+    with tempfile.TemporaryDirectory() as tmp:
+        files = dict(artifacts or {})
+        files["result.json"] = json.dumps(result.to_dict(), indent=2, sort_keys=True, default=str)
+        files["config.yaml"] = OmegaConf.to_yaml(OmegaConf.create(result.config))
+        if result.samples:
+            files["samples.txt"] = "\n\n".join(f"### prompt\n{s['prompt']}\n### output\n{s['output']}"
+                                               for s in result.samples)
+        if result.traceback:
+            files["traceback.txt"] = result.traceback
+        workload = result.tags.get("workload.file")
+        if workload and Path(workload).is_file():  # the run's prompts as token ids (harness/workloads.py)
+            files["workload.jsonl"] = Path(workload).read_text()
+        for name, text in files.items():
+            (Path(tmp) / name).write_text(text)
+        retry(lambda: c.log_artifacts(run_id, tmp), tcfg, "mlflow log_artifacts")
+    # SKIPPED (cannot run on this hardware) is not a failure: FINISHED, with tag status=SKIPPED and the reason in `error`
+    status = "FINISHED" if result.status in ("OK", "SKIPPED") else ("KILLED" if result.status == "KILLED" else "FAILED")
+    retry(lambda: c.set_terminated(run_id, status=status, end_time=int(result.ended * 1000)), tcfg,
+          "mlflow set_terminated")
+    return run_id
+
+
+def already_sent(result: Result, tcfg: TrackingConfig) -> str:
+    """Run id of a complete MLflow run for this result (a re-send whose JSON update was lost), else ''.
+
+    A RUNNING one is a half-logged attempt: it is deleted and the result sent again.
+    """
+    key = result.tags.get(RESULT_KEY_TAG)
+    if not key:
+        return ""
+    with bounded_http(tcfg), store_lock(tcfg):
+        c = client(tcfg)
+        exp = retry(lambda: c.get_experiment_by_name(tcfg.experiment), tcfg, "mlflow experiment")
+        if exp is None:
+            return ""
+        runs = retry(lambda: c.search_runs([exp.experiment_id], f"tags.{RESULT_KEY_TAG} = '{key}'"), tcfg,
+                     "mlflow search_runs")
+        found = ""
+        for run in runs:
+            if run.info.status == "RUNNING":
+                retry(lambda run=run: c.delete_run(run.info.run_id), tcfg, "mlflow delete_run")
+            else:
+                found = found or run.info.run_id
+        return found

@@ -1,0 +1,129 @@
+"""Recording: the result JSON first (atomic), then MLflow; and re-sending what never reached MLflow.
+
+The JSON is the source of truth (harness/records/results.py): it is written before MLflow is contacted,
+so a run whose tracking server is down still leaves its numbers, and
+
+    python -m harness.records.tracking upload results/ --uri <store>
+
+sends such files later (only to the store named on its command line, never to one a result file names).
+MLflow runs are created after the work, in one go, with bounded retries (harness/records/mlflow_runs.py);
+when the retries run out the failure is reported on the result and the run still finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from harness.config import TrackingConfig
+from harness.records.mlflow_runs import already_sent, log_to_mlflow
+from harness.records.results import (
+    PARENT_TAG,
+    json_path,
+    pending,
+    result_key,
+    save_result,
+    write_json_atomic,
+)
+from harness.runner import Result
+
+log = logging.getLogger("quantbench")
+UPLOAD = "python -m harness.records.tracking upload"  # the re-send command, as messages show it
+
+
+def record(result: Result, tcfg: TrackingConfig, path: Path | None = None, parent_run_id: str | None = None,
+           artifacts: dict[str, str] | None = None) -> Path:
+    """Write the result JSON, then log to MLflow; a tracking failure is reported, never fatal.
+
+    Returns the file that holds the result: `path`, or its copy in `rescue_dir()` when `path` could not
+    be written (disk full: tag WRITE_ERROR_TAG says why; MLflow still gets the numbers)."""
+    path = path or json_path(result, tcfg)
+    result_key(result)
+    if parent_run_id:
+        result.tags[PARENT_TAG] = parent_run_id  # so a later `upload` nests it under the same sweep run
+    written = save_result(path, result, final=not tcfg.enabled)
+    if not tcfg.enabled:
+        return written or path
+    try:
+        result.mlflow_run_id = log_to_mlflow(result, tcfg, parent_run_id, artifacts)
+    except Exception as exc:  # noqa: BLE001 - the JSON holds the numbers; `upload` sends them later
+        result.tags["tracking_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        log.error("MLflow logging failed (%s); result kept in %s; re-send with: %s %s --uri %s",
+                  result.tags["tracking_error"], path, UPLOAD, path.parent, tcfg.resolved_uri())
+    return save_result(path, result, final=True) or path
+
+
+def upload(folder: Path, tcfg: TrackingConfig, own_experiment: bool = False) -> tuple[int, int]:
+    """Send result JSONs that never reached MLflow to `tcfg.uri`; returns (uploaded, failed).
+
+    Only ever to the store the caller names: never to the URI written inside a result file, which, for a
+    file copied from elsewhere, could point anywhere. `own_experiment`: each result keeps the experiment
+    name its own config gave (else `tcfg.experiment`).
+    """
+    if not tcfg.uri:
+        raise ValueError("upload needs an explicit tracking URI (tcfg.uri)")
+    done = failed = 0
+    for path, result in pending(folder):
+        target = tcfg
+        if own_experiment:
+            own = (result.config.get("tracking") or {}).get("experiment")
+            target = dataclasses.replace(tcfg, experiment=own if own and isinstance(own, str) else tcfg.experiment)
+        try:
+            result.tags.pop("tracking_error", None)
+            result.mlflow_run_id = already_sent(result, target) or log_to_mlflow(
+                result, target, result.tags.get(PARENT_TAG) or None)
+            write_json_atomic(path, result.to_dict())
+            done += 1
+        except Exception as exc:  # noqa: BLE001
+            log.error("upload of %s failed: %s: %s", path, type(exc).__name__, str(exc)[:300])
+            failed += 1
+    return done, failed
+
+
+def named_stores(folder: Path, limit: int = 3) -> list[str]:
+    """The stores the pending results were meant for (shown to the user, never contacted)."""
+    seen: list[str] = []
+    for _, result in pending(folder):
+        own = result.config.get("tracking") or {}
+        try:
+            uri = TrackingConfig(**{k: v for k, v in own.items() if k in ("uri", "results_dir")}).resolved_uri()
+        except Exception:  # noqa: BLE001 - a malformed section: nothing to suggest
+            continue
+        if uri not in seen:
+            seen.append(uri)
+        if len(seen) == limit:
+            break
+    return seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.records.tracking",
+                                 description="Re-send result JSONs that never reached MLflow.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("upload", help="upload result JSONs without an mlflow_run_id")
+    up.add_argument("folder", nargs="?", default="results")
+    up.add_argument("--uri", default="", help="MLflow tracking URI to send to (required: the URI written inside "
+                    "a result file is never followed)")
+    up.add_argument("--experiment", default=None, help="MLflow experiment (default: each result's own)")
+    up.add_argument("--retries", type=int, default=3)
+    up.add_argument("--timeout-s", type=float, default=10.0)
+    args = ap.parse_args(argv)
+    if not args.uri:  # a result copied from elsewhere could name any store: the user says where, every time
+        named = ", ".join(repr(u) for u in named_stores(Path(args.folder)))
+        print("error: upload needs --uri, the MLflow store to send to (e.g. --uri sqlite:///results/mlflow.db or "
+              "--uri http://127.0.0.1:5000); the URI inside a result file is never followed"
+              + (f" (these results name {named})" if named else ""), file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    tcfg = TrackingConfig(uri=args.uri, experiment=args.experiment or "quantbench", retries=args.retries,
+                          timeout_s=args.timeout_s)
+    done, failed = upload(Path(args.folder), tcfg, own_experiment=args.experiment is None)
+    print(f"uploaded {done}, failed {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""The bottom of the config layer: the allowed values config fields share, and the validation helpers.
+
+It imports nothing from the harness but `errors`, so any module may use it (models, quantizers, the fast
+path, the sweep settings) without importing `harness.config`, which in turn asks workloads and tasks to
+check their own fields: the arrows point one way, config -> workloads -> models -> schema.
+"""
+
+from __future__ import annotations
+
+from harness.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MATCH = ("near_tie", "strict")  # how the compiled-vs-eager token check fails (harness/fast_path.py)
+COMPILE_BACKENDS = ("inductor", "zentorch")  # torch.compile backend of the decode step (harness/fast_path.py)
+
+
+def positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:
+    """Append to `problems` why `value` (of field `name`) is not a number > 0 (>= 0 with `allow_zero`)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        problems.append(f"{name}={value!r} must be a number")
+    elif value < 0 or (value == 0 and not allow_zero):
+        problems.append(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+class Validated:
+    """Mixin for a config dataclass: `__post_init__` runs `problems()` and raises them all at once."""
+
+    _section = ""
+
+    def problems(self) -> list[str]:  # pragma: no cover - overridden
+        return []
+
+    def __post_init__(self) -> None:
+        found = self.problems()
+        if found:
+            raise ConfigError(found)

@@ -1,0 +1,57 @@
+"""The Hydra callback that makes every multirun a sweep (conf/config.yaml: hydra.callbacks.sweep).
+
+It opens the sweep before the first cell and closes it after the last (harness/sweep/parent.py), and
+turns SIGTERM into the same clean stop as Ctrl-C while the sweep runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+from harness.errors import QuantbenchError
+from harness.sweep.parent import finish_sweep, start_sweep
+from harness.sweep.settings import STATE_ENV, SweepState, find_state, plain_without_hydra
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """SIGTERM turned into the same clean stop as Ctrl-C (kill the cell, record KILLED, close the sweep)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signame = signal.Signals(signum).name
+        self.exit_code = 128 + signum
+
+
+def _on_sigterm(signum: int, _frame: Any) -> None:
+    raise SweepInterrupted(signum)
+
+
+class SweepCallback(Callback):
+    """Hydra callback (conf/config.yaml hydra.callbacks): opens and closes the sweep around a multirun."""
+
+    def __init__(self) -> None:
+        self.state: SweepState | None = None
+        self._old_sigterm: Any = None
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        try:
+            self.state = start_sweep(config)
+        except QuantbenchError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None  # SystemExit passes Hydra's callback guard: stop before any cell
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+        state = self.state or find_state(plain_without_hydra(config))
+        if state is not None:
+            finish_sweep(state)
+        os.environ.pop(STATE_ENV, None)

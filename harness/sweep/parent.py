@@ -1,0 +1,226 @@
+"""Open and close a sweep in the launching process: folder lock, MLflow parent run, report, exit code.
+
+`start_sweep` runs once before the first cell (SweepCallback.on_multirun_start), `finish_sweep` once
+after the last (on_multirun_end) or on an interruption (`abort`). The exit code run.py returns after a
+multirun is set here (`exit_code`): non-zero when any cell was not OK, or when none was OK.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from harness import env, report
+from harness.config import TrackingConfig
+from harness.errors import QuantbenchError
+from harness.records.mlflow_runs import client, experiment_id, retry
+from harness.records.results import invocation_cells, read_json, sweep_baseline
+from harness.records.tracking import UPLOAD
+from harness.runner import SUCCESS
+from harness.sweep import progress, resume
+from harness.sweep.isolated import warm_up
+from harness.sweep.settings import (
+    DEFAULT_NAME,
+    STATE_ENV,
+    SweepState,
+    owner_alive,
+    owner_id,
+    plain_without_hydra,
+    planned_cells,
+    settings_from,
+    sweep_folder,
+    varying_keys,
+)
+
+log = logging.getLogger("quantbench")
+
+# In-process state of the launching process only (harness/sweep/__init__.py): its exit code, the sweep it
+# opened and has not closed (for abort()), and that sweep's folder lock (resume.hold_folder).
+_EXIT = {"code": 0}
+_OPEN: dict[str, SweepState] = {}
+_HELD: dict[str, resume.FolderLock] = {}
+
+
+# ---------------------------------------------------------------------------------------------- mlflow
+def mark_stale(tcfg: TrackingConfig) -> list[str]:
+    """End as KILLED every RUNNING run of the experiment whose owning sweep process is gone."""
+    c = client(tcfg)
+    exp_id = retry(lambda: experiment_id(c, tcfg), tcfg, "mlflow experiment")
+    runs = retry(lambda: c.search_runs([exp_id], filter_string="attributes.status = 'RUNNING'", max_results=5000),
+                 tcfg, "mlflow search_runs")
+    killed = []
+    for run in runs:
+        owner = run.data.tags.get("quantbench.owner", "")
+        if not owner or owner_alive(owner) is not False:
+            continue  # not ours, still running, or on another host
+        c.set_tag(run.info.run_id, "status", "KILLED")
+        c.set_tag(run.info.run_id, "error", f"sweep process {owner} ended without closing this run "
+                                            "(interrupted or killed); marked KILLED on the next start")
+        c.set_terminated(run.info.run_id, status="KILLED")
+        killed.append(run.info.run_id)
+    return killed
+
+
+def open_parent_run(state: SweepState, previous: str) -> str:
+    """Re-open the sweep's previous parent run (resume keeps one run per sweep) or create one."""
+    tcfg = state.tcfg
+    c = client(tcfg)
+    exp_id = retry(lambda: experiment_id(c, tcfg), tcfg, "mlflow experiment")
+    tags = {"quantbench.role": "sweep", "quantbench.sweep": state.name, "quantbench.owner": state.owner,
+            "quantbench.invocation": state.invocation, "git_commit": state.commit, "status": "RUNNING"}
+    if previous:
+        try:
+            run = c.get_run(previous)
+            if run.info.experiment_id == exp_id and run.info.lifecycle_stage == "active":
+                for k, v in tags.items():
+                    c.set_tag(previous, k, v)
+                c.update_run(previous, status="RUNNING")
+                return previous
+        except Exception:  # noqa: BLE001 - gone, other store: start a new parent run
+            pass
+    run = retry(lambda: c.create_run(exp_id, run_name=f"sweep:{state.name}", tags=tags), tcfg, "mlflow create_run")
+    return run.info.run_id
+
+
+def close_parent_run(state: SweepState, status: str, summary: str, artifacts: list[Path]) -> None:
+    """Log the report files to the parent run and end it with the sweep's status (best effort)."""
+    if not state.parent_run_id or not state.tcfg.enabled:
+        return
+    tcfg, rid = state.tcfg, state.parent_run_id
+    c = client(tcfg)
+    try:
+        for path in artifacts:
+            if path.exists():
+                retry(lambda p=path: c.log_artifact(rid, str(p)), tcfg, "mlflow log_artifact")
+        retry(lambda: c.set_tag(rid, "status", status), tcfg, "mlflow set_tag")
+        retry(lambda: c.set_tag(rid, "summary", summary[:5000]), tcfg, "mlflow set_tag")
+        mlflow_status = {"OK": "FINISHED", "KILLED": "KILLED"}.get(status, "FAILED")
+        retry(lambda: c.set_terminated(rid, status=mlflow_status), tcfg, "mlflow set_terminated")
+    except Exception as exc:  # noqa: BLE001 - the report files are on disk whatever MLflow does
+        log.error("could not close the sweep's MLflow run %s: %s", rid, exc)
+
+
+# ----------------------------------------------------------------------------------------------- sweep
+def start_sweep(config_with_hydra: Any) -> SweepState:
+    """Open a sweep (the callback's on_multirun_start). Raises ConfigError for bad settings."""
+    config = plain_without_hydra(config_with_hydra)
+    hydra_cfg = config_with_hydra.hydra if "hydra" in config_with_hydra else None
+    settings = settings_from(config)
+    tcfg = TrackingConfig(**(config.get("tracking") or {}))
+    folder = sweep_folder(config)
+    name = config.get("name") or DEFAULT_NAME
+    try:  # one sweep per folder at a time: a second would run the same cells again (resume.py)
+        _HELD["lock"] = resume.hold_folder(folder, name)
+    except OSError as exc:
+        raise QuantbenchError(f"cannot use the sweep folder {folder}: {exc.strerror or exc}") from None
+    if (partial := resume.remove_partial_writes(folder)):  # a killed sweep's unfinished writes
+        log.warning("removed %d unfinished result write(s) a killed sweep left in %s (temporary files, never "
+                    "results)", len(partial), folder)
+    warm_up(settings)  # the forkserver imports torch & co. while the sweep opens its MLflow run
+    cells = None
+    if hydra_cfg is not None:
+        try:
+            cells = planned_cells(hydra_cfg)
+        except Exception as exc:  # noqa: BLE001 - only the progress total and cell names depend on it
+            log.warning("could not list the sweep's cells in advance: %s", exc)
+    old = read_json(folder / "sweep.json") or {}
+    state = SweepState(name=name, folder=str(folder),
+                       invocation=f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", commit=env.git_commit(),
+                       owner=owner_id(), tracking=asdict(tcfg), planned=len(cells or []),
+                       varying=varying_keys(cells) if cells else (), started=time.time(),
+                       code=resume.code_version())
+    if tcfg.enabled:
+        try:
+            stale = mark_stale(tcfg)
+            if stale:
+                log.warning("marked %d stale run(s) KILLED (a sweep was interrupted): %s", len(stale),
+                            ", ".join(stale))
+            state.parent_run_id = open_parent_run(state, old.get("parent_run_id", ""))
+        except Exception as exc:  # noqa: BLE001 - cells still write their JSON; upload later
+            log.error("MLflow unavailable for the sweep's parent run (%s: %s); cells keep their JSON",
+                      type(exc).__name__, str(exc)[:300])
+    try:
+        state.save()
+    except OSError as exc:
+        raise QuantbenchError(f"cannot write {folder}/sweep.json ({exc.strerror or exc}): free space in "
+                              f"{folder.parent} or set tracking.results_dir") from None
+    _OPEN["state"] = state
+    os.environ[STATE_ENV] = str(Path(state.folder).resolve() / "sweep.json")
+    _EXIT["code"] = 0
+    progress.start(state.planned, state.name)
+    print(f"sweep {state.name}: {state.planned or '?'} cell(s) -> {folder}/  (MLflow parent run "
+          f"{state.parent_run_id or '-'})", flush=True)
+    return state
+
+
+def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
+    """Close a sweep (on_multirun_end, or an interruption): report, parent run, exit code."""
+    progress.stop()
+    _OPEN.pop("state", None)
+    folder = Path(state.folder)
+    cells = invocation_cells(folder, state.invocation)
+    missing = max(0, state.planned - len(cells)) if not interrupted else 0
+    counts: dict[str, int] = {}
+    for c in cells:
+        counts[c.get("status", "?")] = counts.get(c.get("status", "?"), 0) + 1
+    bad = sum(v for k, v in counts.items() if k not in SUCCESS) + missing  # SKIPPED: cannot run here, not a failure
+    nothing = not interrupted and not counts.get("OK")  # all SKIPPED (or none recorded): nothing was measured
+    status = "KILLED" if interrupted else ("OK" if bad == 0 and not nothing else "FAILED")
+    paths: list[Path] = []
+    try:
+        paths = report.write_report(folder, cells, baseline=sweep_baseline(cells), title=f"sweep {state.name}")
+    except Exception as exc:  # noqa: BLE001 - a report problem must not hide the sweep's outcome
+        log.error("could not write the sweep report: %s", exc)
+    summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no cells"
+    if missing:
+        summary += f", {missing} never reported (the job died, or could not write its result)"
+    close_parent_run(state, status, summary, paths)
+    _EXIT["code"] = 1 if bad or interrupted or nothing else 0
+    lock = _HELD.pop("lock", None)
+    if lock is not None:
+        lock.release()
+    where = paths[0] if paths else folder
+    print(f"sweep {state.name}: {len(cells)} cell(s): {summary}; report: {where}", flush=True)
+    for c in cells:  # every cell that is not OK (failed or skipped), each with its one-line reason
+        if c.get("status") != "OK":
+            print(f"  [{c.get('status')}] {c.get('tags', {}).get('sweep.cell', c.get('run_name'))}: "
+                  f"{c.get('error', '')}", flush=True)
+    unsent = [c for c in cells if c.get("tags", {}).get("tracking_error") and not c.get("mlflow_run_id")]
+    if unsent and state.tcfg.enabled:
+        uri = state.tcfg.resolved_uri()
+        print(f"sweep {state.name}: {len(unsent)} cell(s) not in MLflow (logging to {uri} failed); their results are "
+              f"in {folder}/cells; re-send with: {UPLOAD} {folder} --uri {uri}", flush=True)
+    if nothing:  # all SKIPPED: "nothing ran"; with failures among them the lines above say what failed
+        print(f"sweep {state.name}: {'no cell ran OK' if bad else 'nothing ran'}: {why_nothing(cells)}; exit 1",
+              flush=True)
+    return _EXIT["code"]
+
+
+def why_nothing(cells: list[dict]) -> str:
+    """'all 2 cell(s) SKIPPED (needs CUDA: ...)': why a sweep measured nothing, in one line."""
+    if not cells:
+        return "no cell recorded a result"
+    statuses = sorted({str(c.get("status")) for c in cells})
+    reasons = list(dict.fromkeys(str(c.get("error") or "") for c in cells if c.get("error")))
+    what = f"all {len(cells)} cell(s) {statuses[0]}" if len(statuses) == 1 else \
+        f"no cell OK ({', '.join(statuses)})"
+    shown = " | ".join(reasons[:3]) + (f" | {len(reasons) - 3} more reasons" if len(reasons) > 3 else "")
+    return what + (f" ({shown})" if shown else "")
+
+
+def abort() -> None:
+    """After Ctrl-C/SIGTERM in the launching process: close the open sweep as KILLED (no run left RUNNING)."""
+    state = _OPEN.get("state")
+    if state is not None:
+        finish_sweep(state, interrupted=True)
+
+
+def exit_code() -> int:
+    """What run.py exits with after a multirun: 1 when any cell was not OK, or no cell was OK."""
+    return _EXIT["code"]
+
