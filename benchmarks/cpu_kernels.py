@@ -8,7 +8,7 @@ the thread count. Per format (fp32, bf16, int8, int4) llama.cpp decodes the same
 format (F32, BF16, Q8_0, Q4_0) right before quantbench's paths of that format, so each ratio is taken
 minutes apart, not across the whole run. Every quantbench row is a full run (the code path of
 `run.py`, accuracy off): decode tok/s at batch 1, TTFT and prefill tok/s on the same prompts, and tag
-`kernel.linear` (the matmul operator that dominated a profiled decode step, harness/kernels.py). The
+`kernel.linear` (the matmul operator that dominated a profiled decode step, harness/measure/kernels.py). The
 last row is the default run (`python run.py`, quantizer=none resolved for this CPU), whose TTFT is
 compared with llama.cpp's in the format it resolved to.
 
@@ -63,8 +63,8 @@ SIXTEEN = ("bf16",)  # the 16-bit formats the int formats must beat (fp32 is 32-
 
 def run_cell(overrides: list[str], common: list[str]) -> dict:
     """One full run; its metrics plus the tags this table shows (an error becomes a row, not a crash)."""
-    from harness import runner
     from harness.config import build, compose
+    from harness.run import runner
 
     t0 = time.perf_counter()
     try:
@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party()
     import torch
 
-    from harness import llama_cpp
     from harness.env import cpu_info
     from harness.measure import set_threads
+    from harness.run import llama_cpp
 
     model = "tiny_random" if args.smoke else "smollm2_135m"
     formats = ["bf16", "int4"] if args.smoke else [f for f in args.formats.split(",") if f]

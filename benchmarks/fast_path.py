@@ -89,7 +89,7 @@ def quantizer_ok(option: str) -> str:
         exp.quantizer.preflight("cpu")
     except Exception as exc:  # noqa: BLE001 - reported in the table's notes
         return str(exc).splitlines()[0]
-    from harness.fast_path import compile_blocker
+    from harness.measure.fast_path import compile_blocker
 
     return compile_blocker(exp.quantizer, "cpu")
 
@@ -113,8 +113,8 @@ def batch_strategy(batch: int) -> tuple[list[str], Strategy | None]:
 def run_cell(quantizer: str, batch: int, path: list[str], common: list[str], engine: str = "transformers",
              model: str = "smollm2_135m") -> dict:
     """One full run; `engine` is "transformers" or a llama.cpp format name (F32, BF16, Q8_0, Q4_0)."""
-    from harness import runner
     from harness.config import build, compose
+    from harness.run import runner
 
     overrides, strategy = batch_strategy(batch)
     # engine=llama_cpp runs llama.cpp's own formats (quantizer=none, engine.format=F32|BF16|Q8_0|Q4_0)

@@ -1,5 +1,5 @@
 """GPU check: fp16, bitsandbytes int8/nf4, GPTQ and the compiled reduce-overhead path on a CUDA machine, plus a
-Llama-3.1-8B-shape fp16 row (random weights, harness/random_model.py) at batch 1: its ms/token against the
+Llama-3.1-8B-shape fp16 row (random weights, harness/models/random_model.py) at batch 1: its ms/token against the
 datasheet floor (bytes per step / peak bandwidth: ~4.8 ms on an H100, ~3.3 ms on an H200 for its 16 GB; a 7B
 fp16 model's 14 GB: ~4.2 and ~2.9 ms) and its roofline fraction, with energy per token from NVML.
 
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # harness.bandwidth's datasheet table (imported where used: this file runs before setup)
+sys.path.insert(0, str(ROOT))  # harness.analysis.bandwidth's datasheet table (imported where used: this file runs before setup)
 DEFAULT_OUT = "results/gpu_check"
 BUNDLE = ROOT / ".device" / "gpu_check"  # .device/ is git-ignored: it travels only when carried
 
@@ -87,7 +87,7 @@ class Row:
     backend: str = ""
     wall_s: float = 0.0
     bytes_per_step: float | None = None
-    roofline_fraction: float | None = None  # against the device bandwidth measured by the run (harness/roofline.py)
+    roofline_fraction: float | None = None  # against the device bandwidth measured by the run (harness/analysis/roofline.py)
     energy_j_per_token: float | None = None  # NVML's total-energy counter; None where it cannot be read
     energy_method: str = ""  # nvml | rapl | none (tag energy.method)
     extra: dict = field(default_factory=dict)
@@ -201,7 +201,7 @@ def _num(v: float | None, fmt: str) -> str:
 
 def datasheet_bandwidth(gpu: str) -> tuple[float, str] | None:
     """(bytes/s, source) of a GPU named like `gpu` from the roofline's datasheet table, or None."""
-    from harness.bandwidth import DEVICES
+    from harness.analysis.bandwidth import DEVICES
 
     name = gpu.lower().replace(" ", "")
     for key in ("h200", "h100-pcie" if "pcie" in name else "h100", "a100-80gb" if "80g" in name else "a100-40gb",
@@ -301,7 +301,7 @@ BUNDLE_WHEELS = ["hydra-core==1.3.8", "omegaconf==2.3.1", "antlr4-python3-runtim
                  "transformers==5.24.0", "bitsandbytes==0.50.2", "GPTQModel==7.6.0", "Defuser==0.0.28",
                  "Device-SMI==0.5.7", "LogBar==0.4.15", "TokeNicer==0.0.14", "datasets==5.2.0", "dill==0.4.1",
                  "multiprocess==0.70.19", "diskcache==5.6.3", "torchao==0.18.0",
-                 "nvidia-ml-py==13.615.71"]  # NVML's energy counter (harness/energy.py)
+                 "nvidia-ml-py==13.615.71"]  # NVML's energy counter (harness/measure/energy.py)
 BUNDLE_SDISTS = ["PyPcre==0.6.4"]
 BNB_KEEP = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cuda132.so")  # torch cu13x
 MODEL_PART_BYTES = 60_000_000  # two carries: part 1 alone, then part 2 + wheels (each < 64 MiB with the tree)

@@ -8,7 +8,7 @@ KL check (per quantizer, embedded model SmolLM2-135M, fp32 reference, the first 
 test tokens in non-overlapping 512-token windows, every token after a window's first scored): this
 script runs the fp32 model and the quantized model (built by quantbench's quantizer) over the windows
 itself, keeps the reference's full-vocabulary logits in memory and sums KL over the whole vocabulary in
-float64, using no code from harness/accuracy.py. Printed beside it: quantbench's `kl_div_mean` with the
+float64, using no code from harness/analysis/accuracy.py. Printed beside it: quantbench's `kl_div_mean` with the
 exact record (default, `accuracy.kl_reference=exact`) and with the top-k record (`topk`, the record
 before issue 17), and the ratio of each to the full-vocabulary value. From the same in-memory logits it
 also prints the KL the other candidate records would give: top-k + tail bucket for larger k, and
@@ -92,8 +92,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from harness import accuracy as acc
     from harness import quiet_third_party
+    from harness.analysis import accuracy as acc
     from harness.config import build, compose
     from harness.models import load_tokenizer
 

@@ -11,7 +11,7 @@ tokens the same way. quantbench rows: fp32, bf16 and the best int8/int4 quantize
 (the `int8`/`int4` aliases when present; a missing backend is reported, not fatal). llama.cpp rows: the shipped GGUF (Q4_1)
 and the F32/BF16/Q8_0/Q4_0 conversions.
 
-Columns: MB/step is what one decode step reads (harness.roofline: weights as stored, embedding rows,
+Columns: MB/step is what one decode step reads (harness.analysis.roofline: weights as stored, embedding rows,
 tied output projection, KV cache at the mean context); prefill tok/s is prompt tokens / TTFT on the
 same prompts; "/ llama.cpp" divides by the llama.cpp format closest in MB/step (named in the column
 "peer"); "of bound" is decode tok/s / roofline tok/s (bandwidth measured once per host).
@@ -43,9 +43,9 @@ def int_quantizers() -> list[str]:
 
 
 def run_row(overrides: list[str]) -> dict:
-    from harness import runner
     from harness.config import compose
     from harness.records import tracking
+    from harness.run import runner
 
     t0 = time.perf_counter()
     result = runner.run(compose(overrides))
@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model, fp32 only, no llama.cpp (seconds)")
     args = ap.parse_args(argv)
     quiet_third_party()
-    from harness import llama_cpp, roofline
+    from harness.analysis import roofline
     from harness.config import register_configs
+    from harness.run import llama_cpp
 
     register_configs()
     model, tokens, window = "smollm2_135m", 4096, 512

@@ -73,9 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.steps, args.no_compile = 2, True
     quiet_third_party()
-    from harness import fast_path
     from harness.config import build, compose
-    from harness.measure import set_threads
+    from harness.measure import fast_path, set_threads
     from harness.models import load_pretrained, load_tokenizer
 
     threads = set_threads(0)

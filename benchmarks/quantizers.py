@@ -1,6 +1,6 @@
 """Every quantizer that works here, side by side in one process, on the embedded model (SmolLM2-135M).
 
-Each row is a real quantbench run (`harness.config.compose` + `harness.runner.run` with overrides), so
+Each row is a real quantbench run (`harness.config.compose` + `harness.run.runner.run` with overrides), so
 it goes through the same load -> quantize -> audit -> timed decode -> accuracy pipeline as `run.py`.
 Prints one markdown table: stored weight MB (all weights, embedding included), bits/weight over the
 quantized linears (scales and zeros included), decode tok/s (median of the repetitions, p10-p90
@@ -41,7 +41,7 @@ def main() -> None:
 
     from harness import quiet_third_party
     from harness.config import compose
-    from harness.runner import run
+    from harness.run.runner import run
 
     quiet_third_party()
     names = [n for n in args.only.split(",") if n] or (["fp32", "int8"] if args.smoke else QUANTIZERS)

@@ -118,9 +118,9 @@ def main() -> None:
         args.new_tokens, args.reps, args.draft_tokens = 4, 1, "2"
 
     from harness import measure, quiet_third_party
-    from harness.engines import encode_prompts
+    from harness.measure.prompts import PROMPT_SETS
     from harness.models import EmbeddedGGUF, TinyRandom, load_tokenizer
-    from harness.prompts import PROMPT_SETS
+    from harness.run.engines import encode_prompts
 
     quiet_third_party()
     threads = measure.set_threads(0)

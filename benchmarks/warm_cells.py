@@ -42,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.cells = 0  # the first forkserver cell below is the smoke run
 
-    from harness import quiet_third_party, runner
+    from harness import quiet_third_party
     from harness.config import compose, to_plain
     from harness.env import cpu_info
+    from harness.run import runner
     from harness.sweep.isolated import run_isolated, warm_up
     from harness.sweep.settings import SweepSettings
 

@@ -18,11 +18,12 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from harness import memory, runner
 from harness.config import build, register_configs
 from harness.errors import QuantbenchError
+from harness.measure import memory
 from harness.records import tracking
 from harness.records.results import summary_line
+from harness.run import runner
 from harness.sweep.settings import planned_cells
 from harness.targets import fields_of
 
@@ -120,7 +121,7 @@ def validate(overrides: list[str]) -> str | None:
         return compose_problem(exc, overrides)
     try:
         exp = build(cfg)
-        exp.model.preflight()  # a missing file, package or hub model (harness/hub.py)
+        exp.model.preflight()  # a missing file, package or hub model (harness/models/hub.py)
         exp.accuracy.preflight()  # a corpus that cannot be read: refused now, not after the timing
     except QuantbenchError as exc:
         return str(exc)

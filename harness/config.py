@@ -25,11 +25,11 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from harness import corpus, task_accuracy, tasks
+from harness.analysis import corpus, task_accuracy, tasks
 from harness.errors import ConfigError, QuantbenchError, one_of
+from harness.measure.workloads import source_problems
 from harness.schema import COMPILE_BACKENDS, COMPILE_MATCH, COMPILE_MODES, DEVICES, DTYPES, Validated, positive
 from harness.targets import TARGET_PACKAGES, fields_of, target_problem, target_problems
-from harness.workloads import source_problems
 
 # names other modules import from here (the schema's constants live in harness/schema.py)
 __all__ = ["COMPILE_BACKENDS", "COMPILE_MATCH", "COMPILE_MODES", "DEVICES", "DTYPES", "TARGET_PACKAGES",
@@ -45,7 +45,7 @@ class MeasureConfig(Validated):
     repetitions: int = 3  # timed passes over the prompt set
     max_new_tokens: int = 64
     stop_at_eos: bool = False  # benchmarks compare fixed lengths; True stops at EOS (recorded)
-    prompts: str = "default"  # a set (default, edit), a .txt/.jsonl file, or synthetic[:N] (harness/workloads.py)
+    prompts: str = "default"  # a set (default, edit), a .txt/.jsonl file, or synthetic[:N] (harness/measure/workloads.py)
     prompt_tokens: int = 0  # with prompts=synthetic: tokens per prompt (llama-bench's -p); else 0
     context_depth: int = 0  # tokens already in the KV cache before each prompt, prefilled untimed (llama-bench's -d)
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
@@ -62,7 +62,7 @@ class MeasureConfig(Validated):
     compile_backend: str = "inductor"  # inductor | zentorch (AMD's ZenDNN plugin: optimizes on AVX-512 CPUs only)
     compile_cpp_wrapper: bool = False  # inductor calls its kernels from generated C++ instead of Python
     compile_skip_guards: bool = False  # timed steps skip dynamo's guard checks (docs/fast_path.md says when it is safe)
-    kernel_profile: bool = True  # after timing, profile a few decode steps: tag kernel.linear (harness/kernels.py)
+    kernel_profile: bool = True  # after timing, profile a few decode steps: tag kernel.linear (harness/measure/kernels.py)
     inject_slowdown: float = 0.0  # test-only: stretch each decode step by this fraction (gate power tests)
     inject_work: float = 0.0  # test-only: extra real matrix work per decode step, ~this fraction of a step
 
@@ -105,7 +105,7 @@ class AccuracyConfig(Validated):
     max_tokens: int = 4096  # score at most this many corpus tokens (0 = all)
     reference_dtype: str = "float32"
     kl: bool = True  # KL divergence and top-1 agreement against the reference
-    # reference record (harness/accuracy.py): "exact" stores the output layer's input per token and gives the
+    # reference record (harness/analysis/accuracy.py): "exact" stores the output layer's input per token and gives the
     # full-vocabulary KL; "topk" stores the top-k log-probs (+ one tail bucket): a lower bound, with a bound
     # on what it hides. exact falls back to topk (with a warning) for logits that are not a plain Linear.
     kl_reference: str = "exact"
@@ -113,8 +113,8 @@ class AccuracyConfig(Validated):
     # which tokens of a window are scored: "all" (each token once, the transformers recipe) or
     # "second_half" (llama-perplexity's rule: non-overlapping chunks, only the second half of each)
     scoring: str = "all"
-    # task accuracy (harness/task_accuracy.py): BIG-bench multiple-choice tasks scored through lm-eval on the run's
-    # model, paired with the reference; [default] = harness.tasks.DEFAULT_TASKS; empty = no task pass
+    # task accuracy (harness/analysis/task_accuracy.py): BIG-bench multiple-choice tasks scored through lm-eval on the run's
+    # model, paired with the reference; [default] = harness.analysis.tasks.DEFAULT_TASKS; empty = no task pass
     tasks: list[str] = field(default_factory=list)
     task_limit: int | None = None  # examples per task: a seeded subset of this many (null = every example)
     num_fewshot: int = 0  # solved examples of the same task before each question
@@ -147,7 +147,7 @@ class AccuracyConfig(Validated):
 
     def preflight(self) -> None:
         """A dataset id that is neither in the local cache nor on a reachable hub fails here, not after the
-        timing (harness/corpus.py). Not in `problems()`: it may ask the network."""
+        timing (harness/analysis/corpus.py). Not in `problems()`: it may ask the network."""
         if self.enabled:
             corpus.check(str(self.corpus), "accuracy.corpus")
 

@@ -3,7 +3,7 @@
 The table `METRICS` is the one home of the metric names. It feeds:
 - the result record: `undefined(names)` lists what a run recorded without a definition (tests run real runs
   through it), and `lookup(name)` gives consumers the unit and direction of any recorded metric;
-- the sweep report's columns (`report_columns()`, each with its header and format: harness/report.py);
+- the sweep report's columns (`report_columns()`, each with its header and format: harness/records/report.py);
 - the gate's metric list (`gate_speed_metric()`, `gate_accuracy_metrics()`: harness/gate/);
 - README's metrics table (`markdown_table()`, printed by `python -m harness.metrics --markdown`; a test
   keeps README's copy equal to it).
@@ -77,7 +77,7 @@ class Metric:
 _H, _L, _N = "higher", "lower", "none"
 
 _TABLE: list[Metric] = [
-    # ---- preflight (harness/memory.py)
+    # ---- preflight (harness/measure/memory.py)
     Metric("mem_estimate_mb", "MiB", _N, "preflight", "peak memory the run was estimated to need, before loading"),
     Metric("mem_available_mb", "MiB", _N, "preflight", "memory free for the run when it was estimated"),
     # ---- load (quantizers' audit and last_metrics, the llama.cpp conversion)
@@ -93,12 +93,12 @@ _TABLE: list[Metric] = [
     Metric("linear_layers", "count", _N, "load", "linear layers the quantizer targets"),
     Metric("quantized_layers", "count", _N, "load", "targeted linear layers actually stored quantized"),
     Metric("all_linear_layers", "count", _N, "load", "every linear layer, skipped ones (lm_head) included"),
-    # ---- prepare (harness/fast_path.py)
+    # ---- prepare (harness/measure/fast_path.py)
     Metric("compile_s", "s", _L, "prepare", "torch.compile of the decode step (fast path), outside the timing"),
     Metric("compiled_match", "flag", _H, "prepare", "1 when compiled greedy tokens equal eager ones, else 0"),
     Metric("compiled_tie_flips", "count", _L, "prepare", "compiled tokens that differ from eager by a near-tie flip"),
     Metric("compiled_max_gap_ulps", "ulps", _L, "prepare", "largest eager score gap of such a flipped token"),
-    # ---- decode: timing summaries (harness/measure.py summarize)
+    # ---- decode: timing summaries (harness/measure/__init__.py summarize)
     Metric("decode_tokens_per_s", "tokens/s", _H, "decode",
            "median over generate calls of decode tokens / decode wall clock (host work between steps included)",
            Column("decode tok/s (p10–p90)", "{:.1f}", 10, always=True, spread=True), gate="speed"),
@@ -117,7 +117,7 @@ _TABLE: list[Metric] = [
     Metric("generated_tokens", "tokens", _N, "decode", "real tokens generated in the timed calls"),
     Metric("prompt_tokens_per_s", "tokens/s", _H, "decode", "median over calls of prompt tokens / prefill time"),
     Metric("timed_generations", "count", _N, "decode", "timed generate calls"),
-    # ---- decode: workload (harness/workloads.py, harness/crossover.py)
+    # ---- decode: workload (harness/measure/workloads.py, harness/analysis/crossover.py)
     Metric("prompt_len_tokens", "tokens", _N, "decode", "median prompt length"),
     Metric("decode_len_tokens", "tokens", _N, "decode", "median new tokens asked per prompt"),
     Metric("context_depth_tokens", "tokens", _N, "decode", "tokens in the KV cache before the prompt"),
@@ -128,7 +128,7 @@ _TABLE: list[Metric] = [
     Metric("flops_per_token", "FLOP", _N, "decode", "matmul flops per decode token"),
     Metric("attn_flops_per_token_ctx", "FLOP", _N, "decode", "attention flops per token per context position"),
     Metric("prefill_flops_per_s", "FLOP/s", _H, "decode", "flops of the timed prefills / their time"),
-    # ---- decode: energy (harness/energy.py), only where a counter is readable
+    # ---- decode: energy (harness/measure/energy.py), only where a counter is readable
     Metric("energy_j", "J", _L, "decode", "energy of the timed calls (NVML or RAPL)"),
     Metric("energy_j_per_token", "J/token", _L, "decode", "energy per generated token",
            Column("J/token", "{:.3f}", 84)),
@@ -169,14 +169,14 @@ _TABLE: list[Metric] = [
     Metric("draft_load_s", "s", _L, "decode", "speculative: loading the draft model"),
     Metric("draft_bits_per_weight", "bits", _N, "decode", "speculative: stored bits per weight of the draft model"),
     Metric("draft_weight_bytes", "bytes", _L, "decode", "speculative: stored bytes of the draft model"),
-    # ---- profile (harness/kernels.py)
+    # ---- profile (harness/measure/kernels.py)
     Metric("kernel_linear_share", "ratio", _N, "profile", "the body layers' main linear op's share of step time"),
     Metric("kernel_linear_ms_per_step", "ms", _L, "profile", "that op's self time per decode step"),
     Metric("kernel_lm_head_share", "ratio", _N, "profile", "the output projection's op's share of step time"),
     Metric("kernel_lm_head_ms_per_step", "ms", _L, "profile", "that op's self time per decode step"),
-    # ---- memory (harness/measure.py)
+    # ---- memory (harness/measure/__init__.py)
     Metric("peak_mem_mb", "MiB", _L, "memory", "peak RSS on CPU (reset before loading), max allocated on CUDA"),
-    # ---- roofline (harness/roofline.py)
+    # ---- roofline (harness/analysis/roofline.py)
     Metric("bandwidth_gb_per_s", "GB/s", _N, "roofline", "memory bandwidth measured on this machine"),
     Metric("bytes_per_step", "bytes", _L, "roofline", "bytes a decode step reads: stored weights + KV cache"),
     Metric("roofline_tokens_per_s", "tokens/s", _N, "roofline", "batch x bandwidth / bytes per step: the bound",
@@ -185,7 +185,7 @@ _TABLE: list[Metric] = [
            Column("roofline", "{:.3f}", 80)),
     Metric("achieved_gb_per_s", "GB/s", _H, "roofline", "bytes per step x decode steps/s"),
     Metric("kv_context_mean", "tokens", _N, "roofline", "mean KV context length over the timed steps"),
-    # ---- accuracy (harness/accuracy.py, harness/llama_cpp.py)
+    # ---- accuracy (harness/analysis/accuracy.py, harness/run/llama_cpp.py)
     Metric("perplexity", "ppl", _L, "accuracy", "perplexity over accuracy.corpus",
            Column("perplexity", "{:.3f}", 40, always=True), gate="accuracy"),
     Metric("scored_tokens", "tokens", _N, "accuracy", "corpus tokens scored"),
@@ -197,7 +197,7 @@ _TABLE: list[Metric] = [
            Column("top-1", "{:.3f}", 60, always=True), gate="accuracy"),
     Metric("kl_ref_tail_mass", "ratio", _N, "accuracy", "top-k reference: probability outside the kept top k"),
     Metric("kl_div_tail_bound", "nats", _L, "accuracy", "top-k reference: how much the KL can miss"),
-    # ---- tasks (harness/task_accuracy.py): the summary over tasks, then one family per task
+    # ---- tasks (harness/analysis/task_accuracy.py): the summary over tasks, then one family per task
     Metric("tasks_s", "s", _L, "tasks", "scoring the run's model on the tasks"),
     Metric("tasks_examples", "count", _N, "tasks", "examples scored over all tasks"),
 ]
@@ -227,7 +227,7 @@ def _task_metrics(m: str, columns: dict[str, Column]) -> list[Metric]:
     ]
 
 
-# harness/task_accuracy.py METRICS; the report shows acc's summary
+# harness/analysis/task_accuracy.py METRICS; the report shows acc's summary
 _TABLE += _task_metrics("acc", {"mean": Column("task acc", "{:.3f}", 70),
                                 "diff_mean": Column("Δ task acc", "{:+.3f}", 71),
                                 "right_to_wrong": Column("flips ✓→✗", "{:.0f}", 72),

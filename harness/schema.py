@@ -12,8 +12,8 @@ from harness.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-COMPILE_MATCH = ("near_tie", "strict")  # how the compiled-vs-eager token check fails (harness/fast_path.py)
-COMPILE_BACKENDS = ("inductor", "zentorch")  # torch.compile backend of the decode step (harness/fast_path.py)
+COMPILE_MATCH = ("near_tie", "strict")  # how the compiled-vs-eager token check fails (harness/measure/fast_path.py)
+COMPILE_BACKENDS = ("inductor", "zentorch")  # torch.compile backend of the decode step (harness/measure/fast_path.py)
 
 
 def positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:

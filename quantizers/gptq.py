@@ -1,7 +1,7 @@
 """GPTQ (and its round-to-nearest baseline, and AWQ) through `gptqmodel`, auto-gptq's maintained successor.
 
 Flow: calibrate on `calibration_samples` x `calibration_length` tokens taken with the accuracy code's
-corpus loader (`harness.accuracy.load_corpus`), quantize with `GPTQModel.load(dir, QuantizeConfig)` +
+corpus loader (`harness.analysis.accuracy.load_corpus`), quantize with `GPTQModel.load(dir, QuantizeConfig)` +
 `.quantize()`, save the checkpoint under `<cache>/quantized/<key>` and load it back with gptqmodel's own
 loader (`GPTQModel.load(dir, backend=...)`, as its docs show). The key hashes the model identity, this
 quantizer's settings, the calibration text and the versions of gptqmodel/torch/transformers, so a sweep
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import corpus
+from harness.analysis import corpus
 from harness.cache import atomic_dir, cache_root, short_hash
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.measure import now

@@ -12,9 +12,9 @@ VENV=.venv
 PIP="$VENV/bin/python -m pip"
 stamp="$VENV/.qb-setup-$ALL-$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 fetch_tasks() {
-  # BIG-bench's task files (accuracy.tasks, harness/tasks.py): the bigbench 1.0.0 sdist from the package registry
+  # BIG-bench's task files (accuracy.tasks, harness/analysis/tasks.py): the bigbench 1.0.0 sdist from the package registry
   # (~360 MB, once, sha256-checked), its multiple-choice tasks kept in the cache (~290 MB); 0.2 s when present
-  if [ "$TASKS" = 1 ]; then "$VENV/bin/python" -m harness.tasks fetch; fi
+  if [ "$TASKS" = 1 ]; then "$VENV/bin/python" -m harness.analysis.tasks fetch; fi
 }
 if [ -f "$stamp" ]; then fetch_tasks; exit 0; fi
 $PIP install -q --upgrade pip

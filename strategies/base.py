@@ -20,7 +20,7 @@ class DecodeOptions:
     inject_slowdown: float = 0.0  # test-only (gate power calibration): stretch each timed step
     inject_work: float = 0.0  # test-only: real extra matrix work in each step, ~this fraction of a step
     cache: str = "dynamic"
-    fast_path: Any = None  # harness.fast_path.FastPath: compiled decode step + fixed static caches
+    fast_path: Any = None  # harness.measure.fast_path.FastPath: compiled decode step + fixed static caches
     choose: Any = None  # check-only hook (logits, token index) -> next tokens; None = greedy argmax
     context: Any = None  # strategies.decode.DepthContext: measure.context_depth tokens in the cache before a prompt
 

@@ -20,7 +20,7 @@ consecutive prompts start on opposite orders; `greedy_first_fraction` records th
 in bf16 the k+1-token verify forward rounds differently from one-token decode, and where greedy's top
 two logits are a few ulps apart the verify picks the runner-up (seen on SmolLM2 bf16; fp32 matched
 exactly). `strategy.match=near_tie` (default) then replays plain greedy with the speculative tokens
-forced (harness/near_tie.py, the same check as the compiled path's `measure.compile_match`) and fails
+forced (harness/measure/near_tie.py, the same check as the compiled path's `measure.compile_match`) and fails
 the run only if some speculative token lies more than NEAR_TIE_ULPS ulps below greedy's top logit; it
 records `spec_tie_flips` and `spec_max_gap_ulps`. `strategy.match=strict` fails on any difference.
 """
@@ -35,9 +35,8 @@ from typing import Any
 
 import torch
 
-from harness import near_tie
 from harness.errors import ConfigError, QuantbenchError, one_of
-from harness.measure import Generation, model_grad_mode, now, percentile, resolve_device, sync
+from harness.measure import Generation, model_grad_mode, near_tie, now, percentile, resolve_device, sync
 from quantizers.dtype import Dtype
 from strategies.base import DecodeOptions, Strategy
 from strategies.decode import greedy_generate

@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from harness import accuracy as acc
+from harness.analysis import accuracy as acc
 from harness.config import build
 from harness.errors import ConfigError
 from tests.conftest import FAST
@@ -37,7 +37,7 @@ def _setup(compose, *overrides):
 @torch.inference_mode()
 def _full_vocab(ref_model, model, ids, cfg):
     """Per scored token: full-vocabulary KL(ref || model) in float64, ref tail mass outside its top-K,
-    whether the argmaxes agree. Written without harness.accuracy's KL code."""
+    whether the argmaxes agree. Written without harness.analysis.accuracy's KL code."""
     kl, tail, agree = [], [], []
     x = torch.tensor(ids)[None]
     for begin, end, n in acc.windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring):

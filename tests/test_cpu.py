@@ -110,8 +110,8 @@ def test_none_records_its_resolution_and_the_prefill_upcast(compose, monkeypatch
 @pytest.mark.parametrize("quantizer,kernel", [("torchao_int4", "aten::_weight_int4pack_mm_for_cpu"),
                                               ("torchao_int8", "aten::_weight_int8pack_mm")])  # eager, both
 def test_profiled_decode_step_names_the_int_kernel(compose, quantizer, kernel):
-    from harness import kernels
     from harness.config import build
+    from harness.measure import kernels
     from harness.models import load_tokenizer
     from strategies.base import DecodeOptions
     from strategies.greedy import Greedy
@@ -129,7 +129,7 @@ def test_profiled_decode_step_names_the_int_kernel(compose, quantizer, kernel):
 
 
 def test_dominant_linear_ignores_attention_and_compiled_regions():
-    from harness.kernels import dominant_linear
+    from harness.measure.kernels import dominant_linear
 
     events = [("aten::bmm", 900.0, 4), ("Torch-Compiled Region: 0/0", 5000.0, 4), ("aten::mm", 300.0, 844),
               ("aten::_weight_int8pack_mm", 700.0, 840), ("aten::_scaled_dot_product_flash_attention_for_cpu", 800.0, 120)]
@@ -141,7 +141,7 @@ def test_dominant_linear_ignores_attention_and_compiled_regions():
 def test_output_projection_is_tagged_apart_from_the_body_kernel():
     """The Zen 5 case: int kernels so fast that the one bf16 output-projection matmul (vocab 49152) takes
     more self time than all the body's int8 matmuls together; `kernel.linear` must still name the body's."""
-    from harness.kernels import dominant_linear
+    from harness.measure.kernels import dominant_linear
 
     vocab = 49152
     events = [("aten::mm", 900.0, 4, [[1, 576], [576, vocab]]),               # output projection
@@ -161,7 +161,7 @@ def test_output_projection_is_tagged_apart_from_the_body_kernel():
 def test_alarm_fires_on_int8_slower_than_bf16_with_the_kernels_named(monkeypatch, tmp_path):
     """The Zen 3 case: torchao int8 eager (a dequantize + aten::mm per call) slower than bf16. It fires
     on whichever run comes second, so the order of two run.py calls cannot hide it."""
-    from harness import roofline
+    from harness.analysis import roofline
 
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
     bf16 = {"bytes_per_step": 271e6, "decode_tokens_per_s": 31.1, "roofline_fraction": 0.27}
@@ -179,8 +179,9 @@ def test_alarm_fires_on_int8_slower_than_bf16_with_the_kernels_named(monkeypatch
 
 
 def test_compile_backend_zentorch_refused_where_it_cannot_optimize(compose, monkeypatch):
-    from harness import env, fast_path
+    from harness import env
     from harness.errors import ConfigError
+    from harness.measure import fast_path
 
     monkeypatch.setattr(env, "cpu_info", lambda: parse_cpuinfo(ZEN3))
     why = fast_path.backend_blocker("zentorch", "cpu")
@@ -198,7 +199,7 @@ def test_cpuinfo_dataclass_defaults_are_baseline():
 
 
 def test_sweep_report_names_the_cpu_and_warns_when_cpus_differ():
-    from harness import report
+    from harness.records import report
 
     def cell(isa: str, family: str) -> dict:
         tags = {"quantizer.name": "bf16", "cpu_model": "AMD EPYC", "cpu.isa": isa, "cpu.family": family,
@@ -214,7 +215,7 @@ def test_sweep_report_names_the_cpu_and_warns_when_cpus_differ():
 def test_compiled_int4_reaches_the_packed_kernel_with_guards_skipped(compose, results_overrides):
     """The fastest int4 path: torchao's packed CPU int4 under torch.compile, guard checks skipped in the
     timed steps; the tag is profiled from the compiled step, and the eager re-check passes."""
-    from harness import runner
+    from harness.run import runner
 
     r = runner.run(compose(FAST + ["quantizer=int4", "measure.cache=static", "measure.compile=true",
                                    "measure.compile_skip_guards=true", "measure.repetitions=1",

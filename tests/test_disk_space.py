@@ -37,11 +37,11 @@ def test_file_key_ignores_path_and_mtime_but_not_content(tmp_path):
     assert models.file_key(a) != models.file_key(b)
 
 
-@pytest.mark.skipif(not __import__("harness.llama_cpp", fromlist=["available"]).available(),
+@pytest.mark.skipif(not __import__("harness.run.llama_cpp", fromlist=["available"]).available(),
                     reason="llama-cpp-python extra not installed (scripts/setup.sh --all installs it; CI does)")
 def test_llama_cpp_conversion_checks_the_disk_first_and_never_copies_the_same_format(tmp_path, monkeypatch):
-    from harness import llama_cpp as lc
-    from harness.random_model import RandomModel
+    from harness.models.random_model import RandomModel
+    from harness.run import llama_cpp as lc
 
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
     src = RandomModel(arch="tiny").make_gguf()  # BF16

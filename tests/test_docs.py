@@ -134,6 +134,10 @@ COMMANDS = doc_commands()
 
 NOT_HERE = {  # command (as extracted) -> why it cannot run on this machine; checked to be in the docs
     "make test": "is this test suite itself: CI runs it through .ci/run",
+    **dict.fromkeys(("make gate", "make gate BASE=HEAD", "make gate BASE=origin/main",
+                     "make gate BASE=origin/$GITHUB_BASE_REF"),
+                    "is CI's gate step: .ci/run runs it right after this suite, and tests/test_gate_ci.py runs it on "
+                    "a throwaway pair of commits (an unchanged one passes, one with more work per step fails)"),
     'python -m pytest -m "not slow"': "is (part of) this test suite itself",
     "make test-heavy": "is the heavy tier of this suite (tests/test_experiments_embedded.py, ~10 min), run by hand",
     "bash benchmarks/gpu_check.sh --bundle": "downloads CUDA wheels from a package registry; "
@@ -313,10 +317,16 @@ def live_mlflow(work):
     proc.wait(timeout=30)
 
 
+# benchmarks whose `--smoke` (what a documented benchmark command runs here) ignores the other options
+SMOKE_IGNORES_ARGS = ("benchmarks/gate_calibration.py",)
+
+
 def effective(text: str) -> tuple:
     """What a documented run.py command runs once narrowed: its options, the last value of each key winning
     (as in Hydra). Two commands that differ only in what the narrowing overrides run the same thing."""
     args = shlex.split(_placeholders(text, Path("/work")))
+    if len(args) >= 2 and args[1] in SMOKE_IGNORES_ARGS:  # its --smoke runs one fixed check, whatever else is given
+        return (args[1], "--smoke")
     if len(args) < 2 or args[1] != "run.py":
         return (text,)
     narrowed = run_py(args, Path("/work"))[2:]
@@ -405,11 +415,11 @@ def test_documented_command_runs(cmd: DocCommand, work: Path, baselines: Path, r
             assert proc.returncode in (0, 1) and "quantbench gate:" in proc.stdout, \
                 proc.stdout[-3000:] + proc.stderr[-3000:]
             return
-        if module == "harness.report" and "--mlflow-experiment" in args:
+        if module == "harness.records.report" and "--mlflow-experiment" in args:
             made = _run(run_py(["python", "run.py", "+experiment=smoke"], work))  # a sweep in MLflow to report on
             assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
             args = [*args, "--tracking-uri", f"sqlite:///{work}/mlflow.db", "--out", f"{work}/report-mlflow"]
-        if module == "harness.report" and len(args) > 3 and not args[3].startswith("-"):
+        if module == "harness.records.report" and len(args) > 3 and not args[3].startswith("-"):
             folder = Path(args[3])
             if not folder.is_dir():  # the sweep the docs showed before this command: run it (narrowed)
                 made = _run(run_py(["python", "run.py", f"+experiment={folder.name}"], work))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import SHARED_DATA
 
-from harness import runner
+from harness.run import runner
 
 pytestmark = pytest.mark.slow
 

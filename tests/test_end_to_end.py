@@ -8,9 +8,9 @@ import math
 import pytest
 from conftest import FAST
 
-from harness import runner
 from harness.config import build
 from harness.records import tracking
+from harness.run import runner
 
 CONTRACT_METRICS = ["decode_tokens_per_s", "decode_tokens_per_s_p10", "decode_tokens_per_s_p90", "ttft_ms",
                     "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "e2e_ms", "peak_mem_mb", "params", "weight_bytes",
@@ -83,7 +83,7 @@ def test_stop_at_eos_counts_only_tokens_up_to_eos(compose, results_overrides):
 
 
 def test_failed_run_is_recorded_failed_with_its_error(compose, results_overrides, monkeypatch):
-    from harness import engines
+    from harness.run import engines
 
     def boom(self, tokenizer, workload, log_file):
         raise RuntimeError("kernel exploded")

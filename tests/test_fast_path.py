@@ -9,9 +9,10 @@ import pytest
 import torch
 from conftest import FAST
 
-from harness import fast_path, runner
 from harness.config import build
 from harness.errors import ConfigError, QuantbenchError
+from harness.measure import fast_path
+from harness.run import runner
 from quantizers.dtype import Dtype
 from strategies.base import DecodeOptions
 from strategies.greedy import Greedy
@@ -42,7 +43,7 @@ def test_compile_needs_static_cache_and_a_known_mode(compose):
 
 
 def test_non_compilable_quantizer_fails_before_loading_or_falls_back_when_asked(compose):
-    from harness.engines import TransformersEngine
+    from harness.run.engines import TransformersEngine
 
     exp = build(compose([*FAST, *COMPILED, *NO_ACC]))
     exp.quantizer = NotCompilable(dtype="float32")

@@ -23,7 +23,7 @@ from conftest import ROOT
 from harness.config import TrackingConfig
 from harness.records import results, tracking
 from harness.records.results import RESCUE_ENV, invocation_cells
-from harness.runner import Result
+from harness.run.runner import Result
 from harness.sweep import resume
 from harness.sweep.cell import run_cell
 from harness.sweep.parent import finish_sweep, mark_stale, open_parent_run

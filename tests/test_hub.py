@@ -1,4 +1,4 @@
-"""One error shape for a hub id that cannot be had (harness/hub.py `require`), for corpora and models alike."""
+"""One error shape for a hub id that cannot be had (harness/models/hub.py `require`), for corpora and models alike."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import importlib.util
 
 import pytest
 
-from harness import corpus, hub
+from harness.analysis import corpus
 from harness.errors import QuantbenchError
-from harness.models import HFModel
+from harness.models import HFModel, hub
 
 
 @pytest.fixture()

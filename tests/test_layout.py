@@ -36,7 +36,7 @@ OVERSIZED: frozenset[str] = frozenset()  # harness/sweep.py and roofline.py were
 
 # Top-level packages a function may import lazily. Each is heavy to import or optional (an extra, a platform
 # plugin, a driver that may be absent); a lazy import keeps `run.py --help`, a config error, `python -m
-# harness.report` and the gate's parent process fast, and lets a machine without the extra still run the rest.
+# harness.records.report` and the gate's parent process fast, and lets a machine without the extra still run the rest.
 # Everything else (the standard library, numpy, psutil, tqdm, filelock, hydra/omegaconf, tokenizers, project
 # modules) imports in well under 0.1 s or is needed on every path: it goes at the top of the module.
 LAZY_OK: dict[str, str] = {
@@ -344,7 +344,7 @@ def _by_file_and_line(entry: str) -> tuple[str, int]:
 
 def test_checker_sees_the_project():
     """Guard against a checker that passes because it parsed nothing."""
-    assert {"harness", "harness.accuracy", "quantizers", "strategies", "run"} <= set(MODULES)
+    assert {"harness", "harness.analysis.accuracy", "quantizers", "strategies", "run"} <= set(MODULES)
     assert any(_graph()[name] for name in MODULES)
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import llama_cpp as lc
 from harness.env import wikitext_dir
 from harness.errors import QuantbenchError
+from harness.measure.prompts import PROMPT_SETS
 from harness.models import load_tokenizer
-from harness.prompts import PROMPT_SETS
+from harness.run import llama_cpp as lc
 
 needs_extra = pytest.mark.skipif(not lc.available(), reason="llama-cpp-python extra not installed "
                                  "(scripts/setup.sh --all installs it; CI does)")
@@ -41,7 +41,7 @@ def test_default_engine_is_transformers(compose):
 
 
 def test_missing_extra_fails_in_preflight_with_install_hint(compose, results_overrides, monkeypatch):
-    from harness.runner import run
+    from harness.run.runner import run
 
     monkeypatch.setattr(lc, "available", lambda: False)
     res = run(compose(["engine=llama_cpp", "measure.device=cpu", *results_overrides, "tracking.enabled=false"]))
@@ -66,7 +66,7 @@ def test_convert_to_q4_0_is_cached(compose, tmp_path, monkeypatch):
 @needs_extra
 @pytest.mark.slow
 def test_llama_cpp_run_measures_the_same_metrics(compose, results_overrides):
-    from harness.runner import run
+    from harness.run.runner import run
 
     res = run(compose(["engine=llama_cpp", "measure.device=cpu", "measure.max_new_tokens=12",
                        "measure.repetitions=1", "measure.warmup=1", "accuracy.max_tokens=600",
@@ -168,7 +168,7 @@ def test_truth_check_on_a_tiny_gguf(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness import accuracy as acc
+    from harness.analysis import accuracy as acc
     from harness.config import AccuracyConfig
     from harness.models import TinyRandom, byte_tokenizer
 
@@ -199,7 +199,7 @@ def test_truth_check_perplexity_matches_llama_cpp_on_the_same_tokens(compose):
     import llama_cpp
     import torch
 
-    from harness import accuracy as acc
+    from harness.analysis import accuracy as acc
     from harness.models import load_pretrained, load_tokenizer
 
     assert WIKITEXT.is_file(), f"{WIKITEXT} missing: the shared data folder sits next to the repo"

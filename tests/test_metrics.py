@@ -11,12 +11,14 @@ import sys
 import pytest
 from conftest import FAST, ROOT
 
-from harness import metrics, report, runner
-from harness import task_accuracy as ta
-from harness import tasks as T
+from harness import metrics
+from harness.analysis import task_accuracy as ta
+from harness.analysis import tasks as T
 from harness.gate.report import speed_metrics
 from harness.gate.stats import SpeedStats
 from harness.measure import Generation, summarize
+from harness.records import report
+from harness.run import runner
 
 README_TABLE = re.compile(r"<!-- metrics table:[^\n]*-->\n(.*?)<!-- end of metrics table -->", re.S)
 

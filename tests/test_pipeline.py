@@ -8,11 +8,11 @@ import math
 import pytest
 from conftest import FAST
 
-from harness import runner
 from harness.config import build
 from harness.errors import QuantbenchError
-from harness.llama_cpp import available as llama_cpp_available
 from harness.run import pipeline as pl
+from harness.run import runner
+from harness.run.llama_cpp import available as llama_cpp_available
 from harness.run.pipeline import Pipeline
 
 NO_ACC = ["accuracy.enabled=false"]

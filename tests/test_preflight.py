@@ -28,7 +28,7 @@ def offline_hub(tmp_path, monkeypatch):
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    hub = importlib.import_module("harness.hub") if importlib.util.find_spec("harness.hub") else None
+    hub = importlib.import_module("harness.models.hub") if importlib.util.find_spec("harness.models.hub") else None
     if hub:
         hub.clear_cache()  # probes are remembered per process
     yield tmp_path / "hf"
@@ -82,8 +82,8 @@ def test_run_py_refuses_an_unloadable_corpus_in_one_line_before_any_timing(tmp_p
 
 def test_the_runner_checks_the_corpus_before_the_engine_runs(compose, offline_hub, results_overrides, monkeypatch):
     """A run that skips run.py's precheck (a sweep cell, the gate, a test) still fails before anything loads."""
-    from harness.engines import TransformersEngine
-    from harness.runner import run
+    from harness.run.engines import TransformersEngine
+    from harness.run.runner import run
 
     def open_session(self, exp, device, threads):
         raise AssertionError("the engine ran (tokenizer, model, timing) before the corpus was checked")

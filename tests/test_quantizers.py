@@ -61,7 +61,7 @@ def _logp(model, ids):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """fp32 tiny model: audit and next-token log-probs on a fixed corpus slice."""
-    from harness.accuracy import corpus_tokens
+    from harness.analysis.accuracy import corpus_tokens
     from harness.config import build
     from harness.config import compose as _compose
 
@@ -108,7 +108,7 @@ def test_resolvers_record_the_backend(compose):
 
 
 def test_full_run_logs_audit_and_backend(compose, results_overrides):
-    from harness.runner import run
+    from harness.run.runner import run
 
     r = run(compose(FAST + ["quantizer=int4", "measure.repetitions=1"] + results_overrides))
     assert r.status == "OK", r.error
@@ -312,7 +312,7 @@ def test_gptq_beats_rtn_and_stays_near_fp32(results_overrides, tmp_path):
     benchmarks/quantizers.py; SmolLM2-135M is small and int4 costs it a lot) and below round-to-nearest
     int4 with the same group size, format and kernel (benchmark: 35.7 vs 36.3, KL 0.28 vs 0.45)."""
     from harness.config import compose
-    from harness.runner import run
+    from harness.run.runner import run
 
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
     common = ["model=smollm2_135m", "measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0",

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import pytest
 from conftest import FAST
 
-from harness import LOG_ENV, VERBOSE_ENV, runner
+from harness import LOG_ENV, VERBOSE_ENV
 from harness.config import build
+from harness.run import runner
 from quantizers.dtype import Dtype
 
 

@@ -17,14 +17,16 @@ import pytest
 import torch
 from conftest import ROOT
 
-from harness import energy, memory, runner, scaling
+from harness.analysis import scaling
 from harness.config import build
 from harness.errors import ConfigError, QuantbenchError
-from harness.random_model import BLOCK, IdTokenizer, RandomModel, presets
+from harness.measure import energy, memory
+from harness.models.random_model import BLOCK, IdTokenizer, RandomModel, presets
 from harness.records.results import invocation_cells
+from harness.run import runner
 from harness.sweep.settings import FAULT_ENV, STATE_ENV
 
-needs_llama = pytest.mark.skipif(not __import__("harness.llama_cpp", fromlist=["available"]).available(),
+needs_llama = pytest.mark.skipif(not __import__("harness.run.llama_cpp", fromlist=["available"]).available(),
                                  reason="llama-cpp-python extra not installed (scripts/setup.sh --all; CI has it)")
 QUICK = ["measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0", "measure.kernel_profile=false"]
 
@@ -145,7 +147,7 @@ def test_llama_cpp_logits_match_transformers(arch, tmp_path, monkeypatch):
     permutation alone moves them ~0.02 (70x the tolerance), so this check has teeth."""
     import llama_cpp
 
-    from harness.llama_cpp import convert
+    from harness.run.llama_cpp import convert
 
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
     src = RandomModel(arch=arch, dtype="float32")

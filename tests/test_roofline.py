@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import FAST
 
-from harness import bandwidth, roofline
+from harness.analysis import bandwidth, roofline
 from harness.errors import ConfigError
 from harness.models import TinyRandom
 
@@ -134,7 +134,7 @@ def test_roofline_plot_writes_png(tmp_path):
 
 
 def test_metrics_present_on_a_tiny_run(compose, results_overrides, monkeypatch, tmp_path):
-    from harness.runner import run
+    from harness.run.runner import run
 
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
     threads = 1
@@ -159,7 +159,7 @@ def test_metrics_present_on_a_tiny_run(compose, results_overrides, monkeypatch, 
 
 
 def test_second_half_scoring_rule():
-    from harness.accuracy import windows
+    from harness.analysis.accuracy import windows
     from harness.config import AccuracyConfig
 
     # llama-perplexity: 8 chunks of 512 -> 255 scored tokens each (first half is context only)
@@ -173,7 +173,7 @@ def test_second_half_scoring_rule():
 
 
 def test_sweep_report_gains_roofline_column_and_plot(tmp_path):
-    from harness import report
+    from harness.records import report
 
     cells = [{"status": "OK", "run_name": name, "tags": {"quantizer.name": q, "strategy.name": "Greedy"},
               "metrics": {"decode_tokens_per_s": tps, "roofline_tokens_per_s": bound,

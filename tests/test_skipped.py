@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import FAST, ROOT
 
-from harness import runner
 from harness.errors import QuantbenchError, Unsupported
 from harness.records.results import invocation_cells
+from harness.run import runner
 from harness.sweep.settings import FAULT_ENV, STATE_ENV
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="SKIPPED means 'needs CUDA' here: needs a CPU-only host")

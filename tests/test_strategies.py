@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import FAST
 
-from harness import runner
 from harness.config import build
 from harness.errors import QuantbenchError
 from harness.models import TinyRandom, byte_tokenizer, load_pretrained
+from harness.run import runner
 from strategies.base import DecodeOptions
 from strategies.decode import greedy_generate
 from strategies.speculative import LookupDrafter, ModelDrafter, speculative_generate
@@ -158,8 +158,8 @@ def test_every_strategy_runs_end_to_end(compose, results_overrides, strategy):
         tiny = load_pretrained(TinyRandom(), "float32", "cpu")
         want = [s["tokens"] for s in result.samples]
         assert len(want) == 6
-        from harness.engines import encode_prompts
-        from harness.prompts import PROMPT_SETS
+        from harness.measure.prompts import PROMPT_SETS
+        from harness.run.engines import encode_prompts
 
         tok = byte_tokenizer()
         prompts = encode_prompts(tok, PROMPT_SETS["default"], True)
@@ -211,7 +211,7 @@ class TieHead(torch.nn.Module):
 def tie(monkeypatch):
     """A bf16 tiny target with a planted near-tie, and a verify forward that rounds it the other way."""
     import strategies.speculative as spec
-    from harness.near_tie import ulp
+    from harness.measure.near_tie import ulp
 
     target = load_pretrained(TinyRandom(), "bfloat16", "cpu")
     prompt = PROMPTS[3]
@@ -278,8 +278,8 @@ def test_speculative_equals_greedy_embedded_model():
     tok = load_tokenizer(source)
     # fp32 target: exact equality is the contract there (bf16 verification can flip near-ties, see docs)
     model = load_pretrained(source, "float32", "cpu")
-    from harness.engines import encode_prompts
-    from harness.prompts import PROMPT_SETS
+    from harness.measure.prompts import PROMPT_SETS
+    from harness.run.engines import encode_prompts
 
     prompts = encode_prompts(tok, PROMPT_SETS["default"][:2] + PROMPT_SETS["edit"][:2], True)
     opts = DecodeOptions(max_new_tokens=24, pad_token_id=tok.pad_token_id)
@@ -308,7 +308,7 @@ def test_core_code_asks_capabilities_not_class_names(compose):
     """A Greedy subclass that declares no context depth is refused; an unrelated class that declares it passes."""
     from dataclasses import dataclass
 
-    from harness import fast_path, workloads
+    from harness.measure import fast_path, workloads
     from strategies.base import Strategy
     from strategies.greedy import Greedy
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from harness import report
 from harness.errors import ConfigError
+from harness.records import report
 from harness.records.results import cell_path, invocation_cells
 from harness.sweep.cell import append_manifest, record_cell, run_cell
 from harness.sweep.isolated import fault_for, run_isolated, warm_up
@@ -319,7 +319,7 @@ def test_report_ratios_per_batch_and_optional_columns(tmp_path):
 def test_report_command_regenerates_from_folder_and_mlflow(tmp_path):
     # a finished sweep's folder and store, written the way the sweep writes them (no model needed)
     from harness.config import TrackingConfig
-    from harness.runner import Result
+    from harness.run.runner import Result
 
     tcfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="rep", results_dir=str(tmp_path))
     state = SweepState(name="rep", folder=str(tmp_path / "rep"), invocation="inv1", commit="abc",

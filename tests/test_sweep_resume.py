@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness.records.results import cell_path
-from harness.runner import Result
+from harness.run.runner import Result
 from harness.sweep import resume
 from harness.sweep.cell import append_manifest, record_cell, run_cell
 from harness.sweep.parent import finish_sweep

@@ -15,12 +15,12 @@ import sys
 import pytest
 from conftest import FAST, ROOT
 
-from harness import runner
-from harness import task_accuracy as ta
-from harness import tasks as T
+from harness.analysis import task_accuracy as ta
+from harness.analysis import tasks as T
 from harness.config import build
 from harness.errors import ConfigError, QuantbenchError
 from harness.records import tracking
+from harness.run import runner
 
 
 def _mc(n: int, seed: int = 0) -> dict:
@@ -185,7 +185,7 @@ def test_a_run_logs_task_accuracy_paired_with_a_cached_reference(compose, cache,
     logged = MlflowClient(build(cfg).tracking.resolved_uri()).get_run(json.loads(path.read_text())["mlflow_run_id"])
     assert logged.data.metrics["task_toy_acc_mcnemar_p"] == pytest.approx(m["task_toy_acc_mcnemar_p"])
     assert logged.data.tags["tasks"] == "toy,toy_b"
-    from harness.report import markdown, rows_for
+    from harness.records.report import markdown, rows_for
 
     rows = rows_for([result.to_dict(), again.to_dict()])
     table = markdown(rows, "none")
@@ -212,14 +212,14 @@ def test_a_few_shot_prompt_holds_solved_examples_of_the_task_but_never_the_quest
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("harness.llama_cpp", fromlist=["available"]).available(),
+@pytest.mark.skipif(not __import__("harness.run.llama_cpp", fromlist=["available"]).available(),
                     reason="llama-cpp-python extra not installed (scripts/setup.sh --all installs it; CI does)")
 def test_llama_cpp_scores_the_same_token_ids_as_transformers(compose, tmp_path, monkeypatch):
     """The embedded model in F32 through llama.cpp against transformers in fp32: the same requests, the same
     answers, log-likelihoods within float rounding (different kernels); then a whole engine=llama_cpp run."""
-    from harness import llama_cpp as lc
-    from harness.llama_cpp_lm import LlamaCppLM
     from harness.models import EmbeddedGGUF, load_pretrained, load_tokenizer
+    from harness.run import llama_cpp as lc
+    from harness.run.llama_cpp_lm import LlamaCppLM
 
     raw = json.dumps({"examples": [
         {"input": "What is the capital of France?", "target_scores": {"Paris": 1, "Berlin": 0, "a banana": 0}},

@@ -20,7 +20,7 @@ from conftest import ROOT
 from harness.config import TrackingConfig
 from harness.records import tracking
 from harness.records.results import RESULT_KEY_TAG
-from harness.runner import Result
+from harness.run.runner import Result
 from harness.sweep.parent import mark_stale
 
 
@@ -176,7 +176,7 @@ WRITER = textwrap.dedent("""
     import sys, time, uuid
     from harness.records import tracking
     from harness.config import TrackingConfig
-    from harness.runner import Result
+    from harness.run.runner import Result
     uri, out, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     tcfg = TrackingConfig(uri=uri, results_dir=out, retries=0)  # no retries: only the lock can save us
     for k in range(n):

@@ -1,5 +1,5 @@
-"""Workloads (harness/workloads.py): prompt files, synthetic ids, context depth, bad input before any model
-loads, the recorded workload, and the crossover map (harness/crossover.py) on the tiny model."""
+"""Workloads (harness/measure/workloads.py): prompt files, synthetic ids, context depth, bad input before any model
+loads, the recorded workload, and the crossover map (harness/analysis/crossover.py) on the tiny model."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import sys
 import pytest
 from conftest import ROOT
 
-from harness import crossover, report, workloads
+from harness.analysis import crossover
 from harness.config import MeasureConfig, build
 from harness.errors import ConfigError, QuantbenchError
+from harness.measure import workloads
 from harness.models import TinyRandom, byte_tokenizer, load_pretrained
+from harness.records import report
 from harness.records.results import invocation_cells
 from harness.sweep.settings import FAULT_ENV, STATE_ENV
 from strategies.base import DecodeOptions
@@ -150,9 +152,9 @@ def test_decoding_at_depth_equals_decoding_the_concatenated_prompt(tiny, cache):
 def test_run_with_prompt_file_records_the_workload(compose, results_overrides, mlflow_dir):
     from mlflow.tracking import MlflowClient
 
-    from harness import runner
     from harness.config import TrackingConfig
     from harness.records import tracking
+    from harness.run import runner
 
     cfg = compose([*TINY, "measure.prompts=docs/examples/prompts.jsonl", "measure.repetitions=2",
                    *results_overrides])
@@ -171,7 +173,7 @@ def test_run_with_prompt_file_records_the_workload(compose, results_overrides, m
 
 
 def test_synthetic_run_at_depth_reports_pp_and_tg_by_length(compose, results_overrides):
-    from harness import runner
+    from harness.run import runner
 
     res = runner.run(compose([*TINY, "measure.prompts=synthetic:2", "measure.prompt_tokens=16",
                               "measure.context_depth=40", "measure.max_new_tokens=6", "measure.warmup=1",
@@ -256,7 +258,7 @@ def test_crossover_sweep_on_the_tiny_model(tmp_path):
 
 
 # ------------------------------------------------------------------------------ llama.cpp (the peer)
-needs_llama = pytest.mark.skipif(not __import__("harness.llama_cpp", fromlist=["available"]).available(),
+needs_llama = pytest.mark.skipif(not __import__("harness.run.llama_cpp", fromlist=["available"]).available(),
                                  reason="llama-cpp-python extra not installed (scripts/setup.sh --all; CI has it)")
 
 

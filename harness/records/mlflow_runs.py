@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from harness.config import TrackingConfig
 from harness.records.results import RESULT_KEY_TAG, result_key
-from harness.runner import Result
+from harness.run.runner import Result
 
 log = logging.getLogger("quantbench")
 MAX_PARAM_CHARS = 6000
@@ -233,7 +233,7 @@ def _log(c: Any, result: Result, tcfg: TrackingConfig, parent_run_id: str | None
         if result.traceback:
             files["traceback.txt"] = result.traceback
         workload = result.tags.get("workload.file")
-        if workload and Path(workload).is_file():  # the run's prompts as token ids (harness/workloads.py)
+        if workload and Path(workload).is_file():  # the run's prompts as token ids (harness/measure/workloads.py)
             files["workload.jsonl"] = Path(workload).read_text()
         for name, text in files.items():
             (Path(tmp) / name).write_text(text)

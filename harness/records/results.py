@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import TrackingConfig
-from harness.runner import Result
+from harness.run.runner import Result
 
 log = logging.getLogger("quantbench")
 RESULT_KEY_TAG = "result_key"
@@ -171,7 +171,7 @@ def summary_line(result: Result) -> str:
         parts.append(f"ppl {m['perplexity']:.3f}")
     if "kl_div_mean" in m:
         parts.append(f"KL {m['kl_div_mean']:.4f} top1 {m['top1_agreement']:.3f}")
-    if "tasks_acc_mean" in m:  # harness/task_accuracy.py: per-task lines were logged as the tasks finished
+    if "tasks_acc_mean" in m:  # harness/analysis/task_accuracy.py: per-task lines were logged as the tasks finished
         parts.append(f"task acc {m['tasks_acc_mean']:.3f} ({m['tasks_acc_diff_mean']:+.3f} vs reference, "
                      f"{m['tasks_acc_right_to_wrong']:.0f} right->wrong, {m['tasks_acc_wrong_to_right']:.0f} "
                      f"wrong->right, McNemar p {m['tasks_acc_mcnemar_p']:.3g})")

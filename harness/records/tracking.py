@@ -28,7 +28,7 @@ from harness.records.results import (
     save_result,
     write_json_atomic,
 )
-from harness.runner import Result
+from harness.run.runner import Result
 
 log = logging.getLogger("quantbench")
 UPLOAD = "python -m harness.records.tracking upload"  # the re-send command, as messages show it

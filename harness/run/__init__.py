@@ -2,8 +2,8 @@
 
 - harness/run/pipeline.py: `Pipeline`, the phase sequence written once (preflight, tokenizer and workload,
   references, load, prepare, warm-up, timed repetitions, summaries, accuracy, record). run.py (through
-  harness/runner.py), every sweep cell and both sides of the gate (harness/gate/worker.py) run it.
+  harness/run/runner.py), every sweep cell and both sides of the gate (harness/gate/worker.py) run it.
 - harness/run/hooks.py: `Session`, what an engine supplies for one run (load, prepare, one generate call,
-  scoring, close), and `Outcome`, what a run measured. The engines (harness/engines.py: transformers,
-  harness/llama_cpp.py: llama.cpp) implement `Session`.
+  scoring, close), and `Outcome`, what a run measured. The engines (harness/run/engines.py: transformers,
+  harness/run/llama_cpp.py: llama.cpp) implement `Session`.
 """

@@ -1,6 +1,6 @@
 """What an engine supplies to the pipeline (harness/run/pipeline.py), and what a run returns.
 
-An engine (the `engine` config group: harness/engines.py, harness/llama_cpp.py) is a small config object with
+An engine (the `engine` config group: harness/run/engines.py, harness/run/llama_cpp.py) is a small config object with
 `preflight`, `memory_estimate`, `check_with` and `open(exp, device, threads) -> Session`. The `Session` holds
 one run's loaded state and answers the pipeline's hooks; everything else (the order of the phases, warm-up,
 the timed repetitions and the energy meter, summaries, workload and strategy metrics, peak memory, roofline,
@@ -56,7 +56,7 @@ class Session:
         return contextlib.nullcontext()
 
     def generate(self, batch: list[list[int]], opts: Any) -> Generation:
-        """One generate call of a batch of prompt ids, timed inside (harness/measure.py `Generation`)."""
+        """One generate call of a batch of prompt ids, timed inside (harness/measure/__init__.py `Generation`)."""
         raise NotImplementedError
 
     def after_timing(self, batches: list, opts: Any, gens: list[Generation]) -> Record:
@@ -71,7 +71,7 @@ class Session:
         """Decoding is over: free what the strategy set up (the model stays for scoring). Idempotent."""
 
     def shape(self) -> Any:
-        """The model's shape for the roofline (harness/roofline.py `ModelShape`)."""
+        """The model's shape for the roofline (harness/analysis/roofline.py `ModelShape`)."""
         raise NotImplementedError
 
     def score(self, tokenizer: Any) -> dict[str, float]:
@@ -79,7 +79,7 @@ class Session:
         return {}
 
     def task_lm(self, tokenizer: Any) -> Any:
-        """An lm-eval LM for task accuracy (harness/task_accuracy.py); the last hook before `close`."""
+        """An lm-eval LM for task accuracy (harness/analysis/task_accuracy.py); the last hook before `close`."""
         raise NotImplementedError
 
     def close(self) -> None:

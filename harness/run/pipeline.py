@@ -1,18 +1,18 @@
 """The measurement pipeline: every phase of a run, written once, for every engine.
 
     pipe = Pipeline(exp, device)   # nothing heavy
-    outcome = pipe.run()           # what `python run.py` measures (harness/runner.py records it)
+    outcome = pipe.run()           # what `python run.py` measures (harness/run/runner.py records it)
 
 Phases, in order (an engine supplies only what differs, through its `Session`: harness/run/hooks.py):
 1. preflight: a run without a decode phase is refused, the engine's and the accuracy corpus's checks, the
-   memory estimate (harness/memory.py); nothing has loaded yet.
-2. threads and seed; tokenizer; workload (prompt ids, per-prompt lengths, depth context: harness/workloads.py),
+   memory estimate (harness/measure/memory.py); nothing has loaded yet.
+2. threads and seed; tokenizer; workload (prompt ids, per-prompt lengths, depth context: harness/measure/workloads.py),
    its exact lengths checked before any weights load.
-3. references: the KL reference (engine hook) and the task plan (harness/task_accuracy.py), both before the
+3. references: the KL reference (engine hook) and the task plan (harness/analysis/task_accuracy.py), both before the
    model loads, so they are freed before peak memory is tracked.
 4. load (+ quantize, audit), prepare (strategy setup, depth context, compiled fast path), warm-up passes.
 5. timed repetitions (every batch, `measure.repetitions` times) under the energy meter.
-6. summaries (harness/measure.py), a check that the headline metric exists, energy, workload metrics,
+6. summaries (harness/measure/__init__.py), a check that the headline metric exists, energy, workload metrics,
    strategy metrics, kernel profile, peak memory, roofline, the spread warning, samples.
 7. accuracy (perplexity, KL), task accuracy, the memory estimate beside the measured peak.
 
@@ -27,13 +27,14 @@ import gc
 import logging
 from typing import Any
 
-from harness import measure, memory, roofline, run_log, task_accuracy, third_party_output, workloads
+from harness import measure, run_log, third_party_output
+from harness.analysis import roofline, task_accuracy
 from harness.config import Experiment
-from harness.energy import EnergyMeter
 from harness.errors import QuantbenchError
-from harness.measure import Generation
+from harness.measure import Generation, memory, workloads
+from harness.measure.energy import EnergyMeter
+from harness.measure.prompts import parse
 from harness.models import load_tokenizer
-from harness.prompts import parse
 from harness.run.hooks import Outcome, Record
 from strategies.base import DecodeOptions
 
@@ -118,7 +119,7 @@ class Pipeline:
 
     def load(self) -> None:
         """Tokenizer, workload, references, load (+ quantize), prepare, warm-up; nothing here is timed."""
-        import torch  # heavy: harness/runner.py (imported by run.py's CLI) imports this module
+        import torch  # heavy: harness/run/runner.py (imported by run.py's CLI) imports this module
 
         exp, m = self.exp, self.exp.measure
         self.threads = measure.set_threads(m.threads)
@@ -156,7 +157,7 @@ class Pipeline:
 
     def timed(self) -> list[Generation]:
         """The timed repetitions (every batch, in order, `measure.repetitions` times) under the energy meter."""
-        meter = EnergyMeter(self.device)  # NVML on CUDA, RAPL on CPU where readable (harness/energy.py)
+        meter = EnergyMeter(self.device)  # NVML on CUDA, RAPL on CPU where readable (harness/measure/energy.py)
         meter.start()
         with self.session.timing():
             gens = [self.session.generate(batch, self.opts_for(batch))

@@ -9,7 +9,7 @@ How a Hydra multirun becomes a sweep (any launcher: basic, submitit_local, ...):
   state every job reads (its path also goes to the jobs through $QUANTBENCH_SWEEP_STATE: `settings`).
 - Each Hydra job calls `cell.run_cell(cfg)` (run.py does this in MULTIRUN mode). It never loads a
   model: it validates the cell, reuses an OK result for the same config hash and resume key (code
-  version, CPU, library versions: `resume`), else runs `harness.runner.run` in a child process of its
+  version, CPU, library versions: `resume`), else runs `harness.run.runner.run` in a child process of its
   own with a timeout (`isolated`), classifies what happened (OK, FAILED, OOM, TIMEOUT, CRASHED, KILLED),
   writes `results/<sweep>/cells/<hash>.json` and logs a nested MLflow run under the parent. It never
   raises for a failed cell, so the sweep goes on.

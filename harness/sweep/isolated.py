@@ -22,9 +22,10 @@ from typing import Any
 
 import psutil
 
-from harness import quiet_third_party, runner
+from harness import quiet_third_party
 from harness.errors import QuantbenchError
-from harness.runner import Result, config_hash
+from harness.run import runner
+from harness.run.runner import Result, config_hash
 from harness.sweep.settings import FAULT_ENV, FAULTS, PRELOAD, SweepSettings
 
 

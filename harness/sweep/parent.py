@@ -15,13 +15,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from harness import env, report
+from harness import env
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
+from harness.records import report
 from harness.records.mlflow_runs import client, experiment_id, retry
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.tracking import UPLOAD
-from harness.runner import SUCCESS
+from harness.run.runner import SUCCESS
 from harness.sweep import progress, resume
 from harness.sweep.isolated import warm_up
 from harness.sweep.settings import (

@@ -32,14 +32,14 @@ from transformers import (  # noqa: F401, E402
     StaticCache,
 )
 
-import harness.accuracy  # noqa: F401, E402
-import harness.engines  # noqa: F401, E402
-import harness.fast_path  # noqa: F401, E402
+import harness.analysis.accuracy  # noqa: F401, E402
+import harness.analysis.roofline  # noqa: F401, E402
+import harness.measure.fast_path  # noqa: F401, E402
+import harness.measure.workloads  # noqa: F401, E402
 import harness.models  # noqa: F401, E402
-import harness.roofline  # noqa: F401, E402
-import harness.runner  # noqa: F401, E402
+import harness.run.engines  # noqa: F401, E402
+import harness.run.runner  # noqa: F401, E402
 import harness.sweep.isolated  # noqa: F401, E402 - the cell's entry point (child_main)
-import harness.workloads  # noqa: F401, E402
 import quantizers.auto  # noqa: F401, E402
 import quantizers.dtype  # noqa: F401, E402
 import strategies.greedy  # noqa: F401, E402

@@ -1,9 +1,9 @@
 """Task accuracy: BIG-bench multiple choice scored through lm-evaluation-harness, paired with the reference.
 
-The tasks (harness/tasks.py) are built as lm-eval `ConfigurableTask`s over the local task files (a custom
+The tasks (harness/analysis/tasks.py) are built as lm-eval `ConfigurableTask`s over the local task files (a custom
 dataset: nothing from the hub) and scored in-process on the model object the run has just measured (lm-eval's
 HFLM wraps the already-quantized transformers model; engine=llama_cpp scores through its own log-likelihoods
-with the same tokenization, harness/llama_cpp.py). Framing, BIG-bench's zero-shot default: the prompt is
+with the same tokenization, harness/run/llama_cpp.py). Framing, BIG-bench's zero-shot default: the prompt is
 "Q: <input>\\nA:" and each choice is scored as the continuation " <choice>"; `acc` picks the choice with the
 highest summed log-likelihood, `acc_norm` the highest log-likelihood per character of the choice (lm-eval's
 definitions). An example counts as right when the pick has the highest target score. `accuracy.num_fewshot=k`
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import tasks as T
+from harness.analysis import tasks as T
 from harness.cache import cache_root
 from harness.errors import QuantbenchError
 from harness.models import load_pretrained
@@ -318,7 +318,7 @@ def section(rows: list[dict]) -> str:
         return ""
     return "\n".join([
         "", "## Task accuracy, paired with the unquantized reference", "",
-        "BIG-bench multiple choice through lm-eval (harness/task_accuracy.py): each cell's answers against the "
+        "BIG-bench multiple choice through lm-eval (harness/analysis/task_accuracy.py): each cell's answers against the "
         "reference's (the same model unquantized) on the same examples. ✓→✗ / ✗→✓: answers that flipped; McNemar p: "
         "exact test on those flips (small = the quantizer changed answers beyond chance; acc can hold while answers "
         "flip). Δ: run − reference, paired stderr.", "",

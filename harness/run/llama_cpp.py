@@ -5,7 +5,7 @@ To compare like with like, the prompts and the perplexity corpus are tokenized w
 tokenizer the transformers engine uses (for SmolLM2 both tokenizers give identical ids) and the token
 ids are fed to llama.cpp directly; perplexity uses the same `accuracy.windows` and scoring rule.
 Workloads (`measure.prompts`, `prompt_tokens`, `context_depth`, per-prompt lengths) resolve to the same ids
-as engine=transformers (harness/workloads.py); a depth context is evaluated once, untimed, and every call
+as engine=transformers (harness/measure/workloads.py); a depth context is evaluated once, untimed, and every call
 starts on top of it (`n_tokens = depth`: `eval` drops the KV positions after it).
 
 Decoding uses llama.cpp's own batch/decode calls through `Llama.eval` with `logits_all=False`, and
@@ -35,13 +35,16 @@ from typing import Any
 
 import numpy as np
 
-from harness import accuracy, llama_cpp_lm, measure, memory, third_party_output, workloads
+from harness import measure, third_party_output
+from harness.analysis import accuracy
+from harness.analysis.roofline import ModelShape, shape_from_gguf
 from harness.cache import cache_root, file_key, require_free, short_hash
 from harness.config import Experiment
 from harness.errors import ConfigError, QuantbenchError, one_of
-from harness.roofline import ModelShape, shape_from_gguf
+from harness.measure import memory, workloads
+from harness.measure.workloads import encode_prompts  # noqa: F401 - re-exported (tests)
+from harness.run import llama_cpp_lm
 from harness.run.hooks import Record, Session
-from harness.workloads import encode_prompts  # noqa: F401 - re-exported (tests)
 
 log = logging.getLogger("quantbench")
 
@@ -160,7 +163,7 @@ class LlamaCppEngine:
             raise QuantbenchError(f"engine=llama_cpp: GGUF file {path} not found")
 
     def memory_estimate(self, exp: Experiment, device: str) -> Any:
-        """The peak this run needs (harness/memory.py): the format's file, the KV cache of n_ctx, buffers."""
+        """The peak this run needs (harness/measure/memory.py): the format's file, the KV cache of n_ctx, buffers."""
         src = Path(exp.model.gguf_path)
         converted = converted_path(src, self.format) if src.is_file() else None
         n_ctx, n_batch = self._context(exp)
@@ -275,7 +278,7 @@ class LlamaCppSession(Session):
         return perplexity(self.llm, ids, cfg)
 
     def task_lm(self, tokenizer: Any) -> Any:
-        """lm-eval over the same GGUF and token ids as engine=transformers (harness/llama_cpp_lm.py)."""
+        """lm-eval over the same GGUF and token ids as engine=transformers (harness/run/llama_cpp_lm.py)."""
         self.close()  # the LM opens its own context per request set: free this one first
         return llama_cpp_lm.lm_class()(self.gguf, tokenizer, self.threads)
 
@@ -302,7 +305,7 @@ def linear_bits(path: Path) -> float:
 
 
 def perplexity(llm: Any, ids: list[int], cfg: Any) -> dict[str, float]:
-    """Perplexity over the same windows and scoring rule as `harness.accuracy.score`."""
+    """Perplexity over the same windows and scoring rule as `harness.analysis.accuracy.score`."""
     import llama_cpp  # optional extra
 
     n_vocab = llm.n_vocab()

@@ -1,6 +1,6 @@
 """Memory that fits: the peak a run will need, estimated before anything loads, against what is available.
 
-`check(exp, device)` runs after the engine's preflight and before any weight is allocated (harness/runner.py;
+`check(exp, device)` runs after the engine's preflight and before any weight is allocated (harness/run/runner.py;
 run.py does it before the run starts, so a run that cannot fit is refused in one line, exit 2). The
 estimate adds up, in bytes:
 
@@ -9,7 +9,7 @@ estimate adds up, in bytes:
   `max_bits_per_weight`: int8 9, int4 packed 5.5) and everything else in the load dtype
   (`quantizer.load_dtype`); llama.cpp: the GGUF file of the format (mmapped and read whole every step);
 - transient: what building or quantizing holds beside the result: one decoder layer in the load dtype (the
-  random model is built and quantized layer by layer: harness/random_model.py) or a float32 copy of the
+  random model is built and quantized layer by layer: harness/models/random_model.py) or a float32 copy of the
   largest tensor (per-tensor conversion in `from_pretrained`, llama.cpp's quantizer);
 - KV cache at the run's batch and context (depth + prompt + new tokens; llama.cpp: its n_ctx in f16);
 - activations and logits (batch x prompt x widths, batch x vocabulary);
@@ -30,11 +30,11 @@ from typing import Any
 
 import psutil
 
+from harness.analysis.roofline import shape_from_gguf
 from harness.cache import short_hash
 from harness.errors import QuantbenchError, Unsupported
 from harness.measure import resolve_device
-from harness.roofline import shape_from_gguf
-from harness.workloads import parse
+from harness.measure.workloads import parse
 
 # torch, transformers and gguf are imported where used: run.py's memory check runs before any model library loads
 # (tests/test_layout.py, LAZY_OK).

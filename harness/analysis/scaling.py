@@ -13,7 +13,7 @@ ratio to llama.cpp's matching format (bf16 : BF16, int8 : Q8_0, int4 : Q4_0), th
 estimate, and the load (+ quantize) time; then the fit per engine and per engine x format, and the sizes
 at which each quantized format first reaches 1.5x and 2x of its 16-bit format. `write(folder, rows)` draws
 scaling.png: ms/token against GB read per step, log-log, with the roofline line and the fitted lines.
-Used by harness/report.py for any sweep whose OK cells span at least two model sizes.
+Used by harness/records/report.py for any sweep whose OK cells span at least two model sizes.
 """
 
 from __future__ import annotations

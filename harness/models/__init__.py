@@ -8,7 +8,7 @@ transformers' `quantization_config` work the same for every source:
 - `GGUFFile`: any local GGUF path.
 - `HFModel`: a hub id or local directory; safetensors only, remote code never trusted.
 - `TinyRandom`: a tiny Llama built from a config with a fixed seed (tests; no file, no network).
-- `harness.random_model.RandomModel`: published 1B-8B shapes with seeded random weights, built in memory
+- `harness.models.random_model.RandomModel`: published 1B-8B shapes with seeded random weights, built in memory
   layer by layer (`load_in_memory`), no tokenizer (`tokenizer()`), its own GGUF for llama.cpp (`make_gguf`).
 
 GGUF files are dequantized by transformers on load (~17 s for SmolLM2); the float copy is cached as
@@ -27,10 +27,10 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tok_models
 
-from harness import hub
 from harness.cache import atomic_dir, cache_root, file_key, short_hash
 from harness.cache import require_free as require_free  # re-exported: random_model, llama_cpp take it from here
 from harness.errors import ConfigError, QuantbenchError, one_of
+from harness.models import hub
 from harness.schema import DTYPES
 
 

@@ -1,12 +1,12 @@
-"""The values of the random model's weights (harness/random_model.py), shared with its GGUF writer.
+"""The values of the random model's weights (harness/models/random_model.py), shared with its GGUF writer.
 
 One seeded block of BLOCK normal values (std = the config's initializer_range, rounded to bf16) is tiled
 over every matrix and bias, starting at an offset derived from the tensor's name; norm weights are 1. A
 tensor's values therefore depend only on (seed, name, shape), never on how the model is built, so the
-transformers model and the GGUF (harness/gguf_export.py) hold the same weights, bit for bit. The values
+transformers model and the GGUF (harness/models/gguf_export.py) hold the same weights, bit for bit. The values
 are bf16 numbers: an fp32 load and an F32/BF16 GGUF of them are exact.
 
-Kept apart from harness/random_model.py so that the GGUF writer, which random_model calls, can take the
+Kept apart from harness/models/random_model.py so that the GGUF writer, which random_model calls, can take the
 values from below instead of importing its caller back.
 """
 

@@ -6,8 +6,8 @@ weight values (optimum-benchmark's `no_weights` does the same). The shapes are t
 of a Llama or Qwen2 model works too.
 
 Values: one seeded block tiled over every tensor, so a tensor's values depend only on (seed, name, shape)
-and the transformers model and the GGUF (harness/gguf_export.py) hold the same weights, bit for bit
-(harness/random_weights.py).
+and the transformers model and the GGUF (harness/models/gguf_export.py) hold the same weights, bit for bit
+(harness/models/random_weights.py).
 
 Building: the model is created on the meta device (no memory), then each decoder layer is allocated in the
 load dtype, filled (a memory-bound copy of the block, ~2 GB/s while the pages are first touched: an 8B
@@ -33,16 +33,16 @@ from typing import Any
 
 from harness.cache import atomic_dir, cache_root, require_free, short_hash
 from harness.errors import QuantbenchError, one_of
-from harness.gguf_export import write_gguf
+from harness.measure.workloads import parse
 from harness.models import ModelSource, torch_dtype
-from harness.random_weights import BLOCK, VALUES, fill_, first_id, values  # noqa: F401 - BLOCK re-exported (tests)
-from harness.workloads import parse
+from harness.models.gguf_export import write_gguf
+from harness.models.random_weights import BLOCK, VALUES, fill_, first_id, values  # noqa: F401 - BLOCK re-exported (tests)
 
 # torch, transformers, torchao and safetensors are imported where used: config validation of model=random (presets,
 # shapes, one-line refusals) must not load a model library (tests/test_layout.py, LAZY_OK).
 
-ARCH_DIR = Path(__file__).resolve().parent / "data" / "arch"
-MODEL_TYPES = ("llama", "qwen2")  # what harness/gguf_export.py writes (both engines must run the same shapes)
+ARCH_DIR = Path(__file__).resolve().parents[1] / "data" / "arch"
+MODEL_TYPES = ("llama", "qwen2")  # what harness/models/gguf_export.py writes (both engines must run the same shapes)
 NO_TOKENIZER = ("model=random has no tokenizer: its workload is token ids; use measure.prompts=synthetic "
                 "measure.prompt_tokens=<n> (text prompts need a real model)")
 
@@ -62,7 +62,7 @@ def read_config(arch: str, config_path: str) -> dict:
 class IdTokenizer:
     """Stands in for a tokenizer where the model has none: token ids in, token ids out.
 
-    Enough for synthetic workloads (harness/workloads.py draws ids from `range(len(tok))` minus the special
+    Enough for synthetic workloads (harness/measure/workloads.py draws ids from `range(len(tok))` minus the special
     ids) and for recording samples (`decode` writes the ids); encoding text raises the one-line error.
     """
 
@@ -101,7 +101,7 @@ class RandomModel(ModelSource):
     config_path: str = ""  # or any local config.json of a Llama / Qwen2 model
     seed: int = 0
 
-    builds_gguf = True  # engine=llama_cpp: the GGUF is written from the same values (harness/gguf_export.py)
+    builds_gguf = True  # engine=llama_cpp: the GGUF is written from the same values (harness/models/gguf_export.py)
 
     def __post_init__(self) -> None:
         if self.config_path:
@@ -139,7 +139,7 @@ class RandomModel(ModelSource):
         return f"random-{self.arch or Path(self.config_path).resolve().parent.name}"
 
     @property
-    def max_position_embeddings(self) -> int:  # harness/workloads.py reads the context from here
+    def max_position_embeddings(self) -> int:  # harness/measure/workloads.py reads the context from here
         return int(self.config.get("max_position_embeddings", 2048))
 
     @property

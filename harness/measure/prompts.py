@@ -5,8 +5,8 @@ paragraph) so TTFT and decode are both exercised. `edit` is input-grounded (the 
 the prompt): where prompt-lookup drafting shines.
 
 `parse(measure.prompts)` reads a named set, a text or JSONL file, or `synthetic[:N]` into a `Source`
-(the formats: harness/workloads.py's docstring); `source_problems` is the config-time check. Neither
-needs a model or a tokenizer; harness/workloads.py turns a `Source` into token ids.
+(the formats: harness/measure/workloads.py's docstring); `source_problems` is the config-time check. Neither
+needs a model or a tokenizer; harness/measure/workloads.py turns a `Source` into token ids.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""lm-eval's LM interface over llama.cpp: task accuracy for engine=llama_cpp (harness/task_accuracy.py).
+"""lm-eval's LM interface over llama.cpp: task accuracy for engine=llama_cpp (harness/analysis/task_accuracy.py).
 
 Tokenization is the one lm-eval's HFLM uses, through the same HF tokenizer (TemplateLM._encode_pair encodes
 context + continuation and splits off the context's tokens; no special tokens are added unless the tokenizer
@@ -7,7 +7,7 @@ log-likelihoods (float32 logits, log-softmax in float64). The choices of a quest
 context is decoded once and each choice on top of it, its KV positions removed before the next one.
 
 lm-eval and llama-cpp-python are optional extras, so the class is built on first use (`lm_class()`, or
-`from harness.llama_cpp_lm import LlamaCppLM`): importing this module needs neither.
+`from harness.run.llama_cpp_lm import LlamaCppLM`): importing this module needs neither.
 """
 
 from __future__ import annotations

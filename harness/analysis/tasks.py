@@ -1,7 +1,7 @@
 """BIG-bench multiple-choice tasks, offline: fetched once from PyPI, read from the cache.
 
 The `bigbench` 1.0.0 source distribution on PyPI (Apache-2.0, ~360 MB) ships every JSON task as
-`bigbench/benchmark_tasks/<task>[/<subtask>]/task.json`. `python -m harness.tasks fetch` (run by
+`bigbench/benchmark_tasks/<task>[/<subtask>]/task.json`. `python -m harness.analysis.tasks fetch` (run by
 `scripts/setup.sh --tasks` and `--all`) downloads it from the package registry, checks its sha256 against the pinned
 `ARCHIVE_SHA256`, and writes into `$QUANTBENCH_CACHE/bigbench-1.0.0/`:
 
@@ -44,7 +44,7 @@ VERSION = "1.0.0"
 ARCHIVE = f"bigbench-{VERSION}.tar.gz"
 ARCHIVE_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2"
 INDEX_FORMAT = "1"
-FETCH_COMMAND = "scripts/setup.sh --tasks"  # or: python -m harness.tasks fetch
+FETCH_COMMAND = "scripts/setup.sh --tasks"  # or: python -m harness.analysis.tasks fetch
 # SmolLM2-135M in fp32 is measurably above chance on these, zero-shot (docs/accuracy.md has the table)
 DEFAULT_TASKS = ("general_knowledge", "timedial", "social_iqa", "emoji_movie", "strategyqa")
 DEFAULT_ALIAS = "default"  # accuracy.tasks=[default] means DEFAULT_TASKS
@@ -195,7 +195,7 @@ def download(dest: Path) -> Path:
             shutil.copyfileobj(resp, f, 1 << 20)
     except (OSError, ValueError, KeyError, StopIteration) as exc:
         raise QuantbenchError(f"could not download {ARCHIVE} from {index} ({type(exc).__name__}: {exc}); get the "
-                              f"file elsewhere and run: python -m harness.tasks fetch --archive {ARCHIVE}") from exc
+                              f"file elsewhere and run: python -m harness.analysis.tasks fetch --archive {ARCHIVE}") from exc
     return out
 
 
@@ -243,19 +243,19 @@ def problems(names: list[str]) -> list[str]:
     index = read_index()
     if index is None:
         return [f"accuracy.tasks needs BIG-bench's task files, which are not in {data_dir()}: fetch them once "
-                f"with `{FETCH_COMMAND}` (or python -m harness.tasks fetch)"]
+                f"with `{FETCH_COMMAND}` (or python -m harness.analysis.tasks fetch)"]
     known, out = index["tasks"], []
     for name in expand(names):
         info = known.get(name)
         if info is None:
             close = difflib.get_close_matches(name, [n for n, i in known.items() if i["kind"] == "multiple_choice"], 3)
             out.append(f"accuracy.tasks: unknown task {name!r}" + (f"; did you mean {', '.join(close)}?" if close else
-                                                                  "; list them with: python -m harness.tasks list"))
+                                                                  "; list them with: python -m harness.analysis.tasks list"))
         elif info["kind"] == "group":
             out.append(f"accuracy.tasks: {name!r} is a group of subtasks; name one of: {', '.join(info['subtasks'])}")
         elif info["kind"] != "multiple_choice":
             out.append(f"accuracy.tasks: {name!r} is not multiple choice ({info['kind']}); choose a multiple-choice "
-                       "task: python -m harness.tasks list")
+                       "task: python -m harness.analysis.tasks list")
     return out
 
 
@@ -270,10 +270,10 @@ def load(name: str) -> Task:
             raw = f.read()
     except OSError as exc:
         raise QuantbenchError(f"task file {path} is unreadable ({exc}); fetch again: "
-                              "python -m harness.tasks fetch --force") from exc
+                              "python -m harness.analysis.tasks fetch --force") from exc
     if hashlib.sha256(raw).hexdigest() != info["sha256"]:
         raise QuantbenchError(f"task file {path} does not match its checksum in the index; fetch again: "
-                              "python -m harness.tasks fetch --force")
+                              "python -m harness.analysis.tasks fetch --force")
     return parse(name, raw)
 
 
@@ -288,7 +288,7 @@ def subset(n: int, limit: int | None, seed: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.tasks", description="BIG-bench task files for accuracy.tasks")
+    ap = argparse.ArgumentParser(prog="python -m harness.analysis.tasks", description="BIG-bench task files for accuracy.tasks")
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch", help=f"download bigbench=={VERSION} once, verify it, extract the multiple-choice tasks")
     f.add_argument("--archive", type=Path, help=f"use this local {ARCHIVE} instead of downloading")

@@ -15,10 +15,10 @@ import os
 import re
 from pathlib import Path
 
-from harness import hub
 from harness.errors import QuantbenchError
+from harness.models import hub
 
-BUILTIN_CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+BUILTIN_CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus.txt"
 # the hub's repo id form: name or owner/name (letters, digits, - _ .), then optional :config:split
 _DATASET_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(:[\w.-]*){0,2}")
 _TEXT_SUFFIXES = (".txt", ".text", ".md", ".raw", ".tokens")

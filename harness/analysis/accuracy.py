@@ -43,10 +43,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from harness.analysis.corpus import BUILTIN_CORPUS  # noqa: F401 - re-exported
+from harness.analysis.corpus import load as load_corpus
 from harness.cache import cache_root
 from harness.config import TASK_FIELDS, AccuracyConfig
-from harness.corpus import BUILTIN_CORPUS  # noqa: F401 - re-exported
-from harness.corpus import load as load_corpus
 from harness.errors import QuantbenchError
 from harness.measure import model_grad_mode
 from harness.models import load_pretrained, torch_dtype

@@ -1,5 +1,5 @@
 """Engines: what executes an experiment. `transformers` (default) runs PyTorch models through quantbench's own
-timed decode loop (the chosen strategy); other engines (llama.cpp: harness/llama_cpp.py) plug into the same
+timed decode loop (the chosen strategy); other engines (llama.cpp: harness/run/llama_cpp.py) plug into the same
 pipeline (harness/run/pipeline.py) through a `Session` (harness/run/hooks.py) and record the same metric names.
 """
 
@@ -11,20 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import (
-    accuracy,
-    fast_path,
-    kernels,
-    measure,
-    memory,
-    roofline,
-    task_accuracy,
-    third_party_output,
-    workloads,
-)
+from harness import measure, third_party_output
+from harness.analysis import accuracy, roofline, task_accuracy
 from harness.config import Experiment
+from harness.measure import fast_path, kernels, memory, workloads
+from harness.measure.workloads import encode_prompts  # noqa: F401 - re-exported (benchmarks, tests)
 from harness.run.hooks import Outcome, Record, Session
-from harness.workloads import encode_prompts  # noqa: F401 - re-exported (benchmarks, tests)
 from strategies.decode import DepthContext
 
 __all__ = ["Outcome", "TransformersEngine", "TransformersSession", "encode_prompts"]
@@ -45,11 +37,11 @@ class TransformersEngine:
         fast_path.preflight(exp, device)  # compile=true with a non-compilable quantizer fails here, before loading
 
     def memory_estimate(self, exp: Experiment, device: str) -> Any:
-        """The peak this run needs, before anything loads (harness/memory.py)."""
+        """The peak this run needs, before anything loads (harness/measure/memory.py)."""
         return memory.transformers_estimate(exp, device)
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
-        """The workload against the model and strategy (harness/workloads.py), at config time."""
+        """The workload against the model and strategy (harness/measure/workloads.py), at config time."""
         if measure is not None and parts.get("model") is not None:
             workloads.check(parts["model"], measure, parts.get("strategy"))
 

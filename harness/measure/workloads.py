@@ -1,7 +1,7 @@
 """Workloads: what a run feeds the model (`measure.prompts`, `prompt_tokens`, `context_depth`), as token ids.
 
 `measure.prompts` is one of
-- a named set of harness/prompts.py (`default`, `edit`): texts, wrapped in the tokenizer's chat template
+- a named set of harness/measure/prompts.py (`default`, `edit`): texts, wrapped in the tokenizer's chat template
   (`measure.chat_template`) and tokenized;
 - a text file (any path not ending in `.jsonl`): prompts separated by blank lines; a prompt may span
   several lines and keeps its line breaks (a file of one-line prompts needs a blank line between them);
@@ -40,13 +40,13 @@ from typing import Any
 
 import numpy as np
 
+from harness.analysis.crossover import flop_metrics
 from harness.cache import cache_root
-from harness.crossover import flop_metrics
 from harness.errors import QuantbenchError
+from harness.measure.prompts import JSONL_KEYS, SYNTHETIC, SYNTHETIC_DEFAULT_COUNT, Source, parse, source_problems
 from harness.models import load_tokenizer
-from harness.prompts import JSONL_KEYS, SYNTHETIC, SYNTHETIC_DEFAULT_COUNT, Source, parse, source_problems
 
-# parsing `measure.prompts` lives in harness/prompts.py; these names stay importable from here
+# parsing `measure.prompts` lives in harness/measure/prompts.py; these names stay importable from here
 __all__ = ["JSONL_KEYS", "SYNTHETIC", "SYNTHETIC_DEFAULT_COUNT", "Source", "Workload", "check", "check_resolved",
            "context_length", "encode_prompts", "gguf_context_length", "metrics", "ordinary_ids", "parse",
            "random_ids", "record", "resolve", "source_problems"]
@@ -335,9 +335,9 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 def metrics(wl: Workload, gens: list[Any], model_config: Any = None, params: float | None = None) -> dict[str, float]:
     """Lengths and llama-bench-style mean +- sd of the per-call speeds (pp: prefill, tg: decode).
 
-    With the model's config and parameter count, also the compute side of the roofline (harness/crossover.py).
+    With the model's config and parameter count, also the compute side of the roofline (harness/analysis/crossover.py).
     """
-    pp = [g.prompt_tokens_per_s for g in gens if g.prompt_s > 0]  # over prefill time (harness/measure.py)
+    pp = [g.prompt_tokens_per_s for g in gens if g.prompt_s > 0]  # over prefill time (harness/measure/__init__.py)
     tg = [g.decode_tokens_per_s for g in gens if g.decode_tokens > 0 and g.decode_s > 0]  # decode wall clock
     (pp_mean, pp_sd), (tg_mean, tg_sd) = _mean_sd(pp), _mean_sd(tg)
     out = {"prompt_len_tokens": float(statistics.median(len(p) for p in wl.prompts)),

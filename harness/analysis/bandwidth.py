@@ -4,7 +4,7 @@ CPU: a read-only pass (`sum(b)`, N bytes), torch copy and triad (`a = b + s*c`) 
 max(256 MiB, 8 x last-level cache) each, best of 5, STREAM byte counting (copy moves 2N bytes, triad 3N;
 write-allocate traffic is not counted, as in STREAM); the bound uses the fastest of the three. CUDA: a
 device-to-device copy of 1 GiB timed with CUDA events, best of 10 (2N bytes). The cache key is the host
-name, the CPU or GPU model and the thread count (`host_key`); see harness/roofline.py for how the
+name, the CPU or GPU model and the thread count (`host_key`); see harness/analysis/roofline.py for how the
 roofline uses it and why llama.cpp can read faster than torch streams.
 """
 

@@ -2,7 +2,7 @@
 
 Three pieces, all used on every run:
 
-- `host_bandwidth(device, threads)` (harness/bandwidth.py): the device's memory bandwidth, measured once per host and cached
+- `host_bandwidth(device, threads)` (harness/analysis/bandwidth.py): the device's memory bandwidth, measured once per host and cached
   (key: host name, CPU or GPU model, thread count). CPU: a read-only pass (`sum(b)`, N bytes), torch copy
   and triad (`a = b + s*c`) over fp32 arrays of max(256 MiB, 8 x last-level cache) each, best of 5,
   STREAM byte counting (copy moves 2N bytes, triad 3N; write-allocate traffic is not counted, as in
@@ -27,7 +27,7 @@ batch and decode length. Runs are compared with the others recorded on this host
 (`speeds-<host>.json` under the cache root); `slow_kernel_flags(rows)` does the same over any list of
 rows (a sweep report). See docs/roofline.md.
 
-Calculator: `python -m harness.roofline --params 7e9 --bits 16 --bandwidth 3.35e12` (or `--device h100`).
+Calculator: `python -m harness.analysis.roofline --params 7e9 --bits 16 --bandwidth 3.35e12` (or `--device h100`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.bandwidth import DEVICES, Bandwidth, host_bandwidth, host_key
+from harness.analysis.bandwidth import DEVICES, Bandwidth, host_bandwidth, host_key
 from harness.cache import cache_root, short_hash
 from quantizers.base import tensor_bytes
 
@@ -173,7 +173,7 @@ def _kernel_note(r: dict) -> str:
 def _slow_pairs(rows: list[dict]) -> dict[int, tuple[list[int], str]]:
     """Flagged row index -> (indices of the heavier rows not slower than it, warning naming the first).
 
-    A row may carry `kernel` (tag kernel.linear of the run, harness/kernels.py): the warning names the
+    A row may carry `kernel` (tag kernel.linear of the run, harness/measure/kernels.py): the warning names the
     matmul kernel of both sides, e.g. int8's `aten::mm` (a dequantize per call) against bf16's.
     """
     out: dict[int, tuple[list[int], str]] = {}
@@ -248,7 +248,7 @@ def run_group(exp: Any, engine: str) -> dict:
     group = {"model": exp.model.identity(), "engine": engine, "strategy": exp.strategy.name, "prompts": m.prompts,
              "max_new_tokens": m.max_new_tokens, "chat_template": m.chat_template, "cache": m.cache,
              "compile": m.compile}
-    for key in ("prompt_tokens", "context_depth"):  # workload lengths (harness/workloads.py), when set
+    for key in ("prompt_tokens", "context_depth"):  # workload lengths (harness/measure/workloads.py), when set
         if getattr(m, key, 0):
             group[key] = getattr(m, key)
     return group
@@ -257,10 +257,10 @@ def run_group(exp: Any, engine: str) -> dict:
 def annotate_torch_run(metrics: dict, tags: dict, exp: Any, model: Any, batches: list, gens: list,
                        device: str) -> None:
     """Roofline metrics of a transformers run (generations are ordered repetition by repetition)."""
-    import torch  # heavy: the calculator (python -m harness.roofline) and reports never need it
+    import torch  # heavy: the calculator (python -m harness.analysis.roofline) and reports never need it
 
     flat = batches * exp.measure.repetitions
-    depth = getattr(exp.measure, "context_depth", 0)  # tokens in the cache before the prompt (harness/workloads.py)
+    depth = getattr(exp.measure, "context_depth", 0)  # tokens in the cache before the prompt (harness/measure/workloads.py)
     if len(flat) == len(gens):
         widths = [(depth + max(len(p) for p in b), len(g.step_s)) for b, g in zip(flat, gens, strict=True)]
     else:  # a strategy that schedules its own calls (continuous batching): mean prompt length per row
@@ -318,7 +318,7 @@ def floor(params: float, bits: float, bandwidth: float, batch: int = 1, context:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.roofline", description=(
+    p = argparse.ArgumentParser(prog="python -m harness.analysis.roofline", description=(
         "Decode roofline calculator: floor = bytes read per step / memory bandwidth."))
     p.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7e9")
     p.add_argument("--bits", type=float, default=16.0, help="bits per weight incl. scales (default 16)")

@@ -45,11 +45,12 @@ from typing import Any
 
 import torch
 
-from harness import env, measure, near_tie  # env.cpu_info looked up per call: tests patch it
+from harness import env, measure  # env.cpu_info looked up per call: tests patch it
 from harness.config import COMPILE_MODES
 from harness.errors import QuantbenchError
-from harness.near_tie import NEAR_TIE_ULPS, ulp  # noqa: F401 - shared with speculative decoding; ulp re-exported
-from harness.near_tie import first_diff as _first_diff
+from harness.measure import near_tie
+from harness.measure.near_tie import NEAR_TIE_ULPS, ulp  # noqa: F401 - shared with speculative decoding; ulp re-exported
+from harness.measure.near_tie import first_diff as _first_diff
 
 # transformers' attention internals and zentorch (optional) are imported where used: only a compiled run needs them
 # (tests/test_layout.py, LAZY_OK).
@@ -318,7 +319,7 @@ def compile_warmup(strategy: Any, model: Any, batches: list[list[list[int]]], op
 
 def near_tie_replay(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
                     compiled: list[list[int]]) -> tuple[int, float]:
-    """Replay eager with the compiled tokens forced; return (flips, largest gap in ulps) (harness.near_tie)."""
+    """Replay eager with the compiled tokens forced; return (flips, largest gap in ulps) (harness.measure.near_tie)."""
     return near_tie.replay(lambda: strategy.generate(model, batch, opts), opts, compiled)
 
 

@@ -5,7 +5,7 @@ for; it also adds work (dequantization, slower kernels). A step takes at least
 
     max(bytes_per_step / bandwidth, flops_per_step / compute_ceiling)
 
-- memory side (harness/roofline.py): the bytes a step reads (weights as stored + the KV cache at the step's
+- memory side (harness/analysis/roofline.py): the bytes a step reads (weights as stored + the KV cache at the step's
   context) over the host's measured bandwidth. Batch and depth grow only the KV part, which is the same
   for every weight format, so the byte saving of a quantized format shrinks as batch x depth grows;
 - compute side (here): flops per step = batch x (2 x matmul parameters + 4 x layers x heads x head_dim x
@@ -16,7 +16,7 @@ for; it also adds work (dequantization, slower kernels). A step takes at least
 The predicted speed ratio of a format to the 16-bit baseline at (batch, depth) is the ratio of those two
 bounds; the measured ratio is the ratio of decode tokens/s. `write(folder, rows, baseline)` draws both per
 quantizer (crossover.png) and `section(rows, baseline)` lists them in report.md; below 1.0 quantization
-costs speed. Used by harness/report.py for any sweep whose cells vary batch size or context depth.
+costs speed. Used by harness/records/report.py for any sweep whose cells vary batch size or context depth.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def flop_metrics(config: Any, params: float, gens: list[Any], depth: int) -> dic
         rows = max(1, len(g.sequences))
         n = g.prompt_tokens / rows
         flops += rows * ((per_token - head) * n + head + attn * (n * depth + n * (n + 1) / 2.0))
-        secs += g.prompt_s  # prefill time (harness/measure.py: TTFT unless a strategy records prefill_s)
+        secs += g.prompt_s  # prefill time (harness/measure/__init__.py: TTFT unless a strategy records prefill_s)
     out = {"flops_per_token": per_token, "attn_flops_per_token_ctx": attn}
     if secs > 0:
         out["prefill_flops_per_s"] = flops / secs
@@ -120,7 +120,7 @@ def section(rows: list[dict], baseline: str) -> str:
     pts = points(rows, baseline)
     batches = sorted({p["batch"] for v in pts.values() for p in v})
     lines = ["", f"## Crossover: decode speed relative to `{baseline}`", "",
-             "measured ratio (roofline prediction: max of the memory and compute bounds; harness/crossover.py). "
+             "measured ratio (roofline prediction: max of the memory and compute bounds; harness/analysis/crossover.py). "
              "Below 1.00 the quantized format is slower than the baseline: quantization stops paying.", "",
              "| quantizer | depth | " + " | ".join(f"batch {b}" for b in batches) + " |",
              "|---|---|" + "---|" * len(batches)]

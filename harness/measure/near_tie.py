@@ -11,7 +11,7 @@ The check (`replay`): decode once more with the reference path while forcing the
 and at every position where they differ measure the reference's gap, its top logit minus its logit of
 the forced token, in units in the last place (`ulp`) of the logits' dtype at the top logit's
 magnitude. A difference is explained when every gap is at most NEAR_TIE_ULPS. Users of this module:
-harness/fast_path.py (`measure.compile_match`) and strategies/speculative.py (`strategy.match`), both
+harness/measure/fast_path.py (`measure.compile_match`) and strategies/speculative.py (`strategy.match`), both
 with the policies in MATCH_POLICIES: `near_tie` fails only on unexplained differences, `strict` on any.
 """
 

@@ -1,8 +1,8 @@
 """The random model as a GGUF file llama.cpp runs: the same weights as engine=transformers, bit for bit.
 
-`write_gguf(source, path)` streams the tensors of a `harness.random_model.RandomModel` into a BF16 GGUF with
+`write_gguf(source, path)` streams the tensors of a `harness.models.random_model.RandomModel` into a BF16 GGUF with
 the `gguf` package's writer (header and tensor infos first, then one tensor at a time, so an 8B model never
-sits in memory whole); llama.cpp's own quantizer then makes Q8_0 / Q4_0 / F32 from it (harness/llama_cpp.py
+sits in memory whole); llama.cpp's own quantizer then makes Q8_0 / Q4_0 / F32 from it (harness/run/llama_cpp.py
 `convert`, cached). What llama.cpp's convert_hf_to_gguf.py does for these architectures, repeated here:
 
 - tensor names: token_embd, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate,
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.random_weights import first_id, values
+from harness.models.random_weights import first_id, values
 
 # torch and gguf are imported where used: only engine=llama_cpp with model=random writes a GGUF (tests/test_layout.py,
 # LAZY_OK).

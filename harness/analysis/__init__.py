@@ -1,0 +1,1 @@
+"""harness.analysis: see the module docstrings of its files."""
