@@ -415,11 +415,11 @@ def test_documented_command_runs(cmd: DocCommand, work: Path, baselines: Path, r
             assert proc.returncode in (0, 1) and "quantbench gate:" in proc.stdout, \
                 proc.stdout[-3000:] + proc.stderr[-3000:]
             return
-        if module == "harness.records.report" and "--mlflow-experiment" in args:
+        if module in ("harness.report", "harness.records.report") and "--mlflow-experiment" in args:
             made = _run(run_py(["python", "run.py", "+experiment=smoke"], work))  # a sweep in MLflow to report on
             assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
             args = [*args, "--tracking-uri", f"sqlite:///{work}/mlflow.db", "--out", f"{work}/report-mlflow"]
-        if module == "harness.records.report" and len(args) > 3 and not args[3].startswith("-"):
+        if module in ("harness.report", "harness.records.report") and len(args) > 3 and not args[3].startswith("-"):
             folder = Path(args[3])
             if not folder.is_dir():  # the sweep the docs showed before this command: run it (narrowed)
                 made = _run(run_py(["python", "run.py", f"+experiment={folder.name}"], work))
