@@ -206,18 +206,23 @@ def _sweep_cmd(tmp: Path, *args: str) -> list[str]:
             f"tracking.results_dir={tmp}", *args]
 
 
-def _cell_process(sweep_pid: int, wait_s: float = 240) -> int:
-    """The running cell's process under sweep `sweep_pid` (a child of the sweep's forkserver)."""
+def _cell_process(sweep_pid: int, manifest: Path, wait_s: float = 240) -> int:
+    """The running cell's process under sweep `sweep_pid`: a fork (same command line) of the sweep's forkserver,
+    started after the cell's manifest line. A helper the forkserver's imports run (`ldconfig -p` from
+    ctypes.util.find_library) is its child too, but execs another program, and comes before any cell."""
     import psutil
 
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
-        for p in psutil.Process(sweep_pid).children(recursive=True):
-            try:
-                if p.parent().pid != sweep_pid and "forkserver" in " ".join(p.parent().cmdline()):
-                    return p.pid
-            except (psutil.Error, AttributeError):
-                continue
+        if manifest.exists():
+            for p in psutil.Process(sweep_pid).children(recursive=True):
+                try:
+                    server = p.parent()
+                    if (server.pid != sweep_pid and "forkserver" in " ".join(server.cmdline())
+                            and p.cmdline() == server.cmdline()):
+                        return p.pid
+                except (psutil.Error, AttributeError):
+                    continue
         time.sleep(0.3)
     raise AssertionError("the sweep never started a cell")
 
@@ -233,7 +238,7 @@ def test_two_sweeps_on_one_folder_the_second_refuses_then_a_sigkilled_sweep_is_c
                              env={**env, FAULT_ENV: json.dumps({"hang": {"quantizer.dtype": "float32"}})},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        cell = _cell_process(first.pid)  # the first sweep's cell is running (and hangs)
+        cell = _cell_process(first.pid, tmp_path / "twice" / "manifest.jsonl")  # the first sweep's cell is running (and hangs)
         second = subprocess.run(_sweep_cmd(tmp_path, f"hydra.sweep.dir={tmp_path}/h2"), cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=300)
         host = __import__("socket").gethostname()
