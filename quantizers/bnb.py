@@ -35,9 +35,21 @@ class BnbInt8(TimedLoad, Quantizer):
     max_bits_per_weight = 9.0
     instead = "quantizer=torchao_int8"
 
+    def __post_init__(self) -> None:
+        self._device = "cpu"
+
     @property
     def name(self) -> str:
         return "bnb_int8"
+
+    def preflight(self, device: str) -> None:
+        super().preflight(device)
+        self._device = device
+
+    def load_dtype(self, model_dtype: str) -> str:
+        # LLM.int8's CUDA matmul runs in fp16: it casts bf16 inputs to fp16 on every call and logs a warning each
+        # time (12 MB of log and 0.19x of fp16 in the first H200 check, docs/gpu.md), so load fp16 there
+        return "float16" if self._device.startswith("cuda") and model_dtype == "bfloat16" else model_dtype
 
     def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
         from transformers import BitsAndBytesConfig

@@ -136,6 +136,9 @@ def test_dominant_linear_ignores_attention_and_compiled_regions():
     got = dominant_linear(events, 4)
     assert got["kernel.linear"] == "aten::_weight_int8pack_mm" and got["kernel.linear_calls_per_step"] == "210"
     assert dominant_linear([("aten::add", 1.0, 1)], 1) == {"kernel.linear": "none found"}
+    # a CUDA graph replay (compile_mode=reduce-overhead on a GPU) runs no ATen op on the host: said so
+    assert dominant_linear([("Torch-Compiled Region: 0/0", 50.0, 4), ("aten::add", 1.0, 1)], 4) == {
+        "kernel.linear": "not visible (compiled region, e.g. a CUDA graph replay)"}
 
 
 def test_output_projection_is_tagged_apart_from_the_body_kernel():

@@ -4,7 +4,7 @@ from collections import namedtuple
 
 import pytest
 
-from harness import cache, models
+from harness import cache
 from harness.errors import QuantbenchError
 
 Usage = namedtuple("Usage", "total used free")
@@ -13,16 +13,16 @@ Usage = namedtuple("Usage", "total used free")
 def test_require_free_refuses_in_one_line_with_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setattr(cache.shutil, "disk_usage", lambda _: Usage(10 << 30, 10 << 30, 100 << 20))
     with pytest.raises(QuantbenchError) as err:
-        models.require_free(tmp_path, 500 << 20, "converting x.gguf to F32")
+        cache.require_free(tmp_path, 500 << 20, "converting x.gguf to F32")
     msg = str(err.value)
     assert "\n" not in msg and "500 MiB" in msg and "100 MiB" in msg and "QUANTBENCH_CACHE" in msg
 
 
 def test_require_free_passes_when_the_disk_has_room(tmp_path, monkeypatch):
     monkeypatch.setattr(cache.shutil, "disk_usage", lambda _: Usage(10 << 30, 0, 1 << 30))
-    models.require_free(tmp_path, 500 << 20, "converting x.gguf to F32")  # 1 GiB >= 550 MiB + 256 MiB
+    cache.require_free(tmp_path, 500 << 20, "converting x.gguf to F32")  # 1 GiB >= 550 MiB + 256 MiB
     with pytest.raises(QuantbenchError):
-        models.require_free(tmp_path, 800 << 20, "converting x.gguf to F32")  # 880 + 256 > 1024
+        cache.require_free(tmp_path, 800 << 20, "converting x.gguf to F32")  # 880 + 256 > 1024
 
 
 def test_file_key_ignores_path_and_mtime_but_not_content(tmp_path):
@@ -32,9 +32,9 @@ def test_file_key_ignores_path_and_mtime_but_not_content(tmp_path):
         p.write_bytes(bytes(range(256)) * 20000)
     import os
     os.utime(b, (1, 1))
-    assert models.file_key(a) == models.file_key(b)
+    assert cache.file_key(a) == cache.file_key(b)
     b.write_bytes(bytes(range(256)) * 19999 + bytes(255) + b"\x01")
-    assert models.file_key(a) != models.file_key(b)
+    assert cache.file_key(a) != cache.file_key(b)
 
 
 @pytest.mark.skipif(not __import__("harness.run.llama_cpp", fromlist=["available"]).available(),

@@ -328,3 +328,16 @@ def test_gptq_beats_rtn_and_stays_near_fp32(results_overrides, tmp_path):
     assert gptq.metrics["perplexity"] < rtn.metrics["perplexity"], (gptq.metrics["perplexity"],
                                                                     rtn.metrics["perplexity"])
     assert gptq.metrics["kl_div_mean"] < rtn.metrics["kl_div_mean"]
+
+
+def test_bnb_int8_loads_fp16_on_cuda_where_its_matmul_runs_in_fp16():
+    """LLM.int8 on CUDA casts bf16 inputs to fp16 on every call and logs a warning each time (the first H200
+    check: a 12 MB log and 0.19x of fp16); so there the model loads in fp16. CPU keeps the model's dtype."""
+    from quantizers.bnb import BnbInt8
+
+    cpu, cuda = BnbInt8(), BnbInt8()
+    cpu.preflight("cpu")
+    cuda.preflight("cuda")
+    assert cpu.load_dtype("bfloat16") == "bfloat16"
+    assert cuda.load_dtype("bfloat16") == "float16"
+    assert cuda.load_dtype("float32") == "float32"  # an explicit fp32 load is kept

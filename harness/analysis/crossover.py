@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from harness.analysis import figures
 from harness.metrics import value
 
 
@@ -185,9 +186,4 @@ def write(folder: Path, rows: list[dict], baseline: str, title: str = "crossover
     axes[0][0].set_ylabel(f"decode tokens/s relative to {baseline}")
     axes[0][-1].legend(fontsize=7, loc="upper right")
     fig.suptitle(f"{title}: solid = measured, dashed = roofline (max of memory and compute bounds)", fontsize=9)
-    fig.tight_layout()
-    path = Path(folder) / "crossover.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return [path]
+    return [figures.save(fig, Path(folder) / "crossover.png")]

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.analysis import figures
 from harness.analysis.bandwidth import DEVICES, Bandwidth, host_bandwidth, host_key
 from harness.cache import cache_root, short_hash
 from quantizers.base import tensor_bytes
@@ -254,22 +255,6 @@ def run_group(exp: Any, engine: str) -> dict:
     return group
 
 
-def annotate_torch_run(metrics: dict, tags: dict, exp: Any, model: Any, batches: list, gens: list,
-                       device: str) -> None:
-    """Roofline metrics of a transformers run (generations are ordered repetition by repetition)."""
-    import torch  # heavy: the calculator (python -m harness.analysis.roofline) and reports never need it
-
-    flat = batches * exp.measure.repetitions
-    depth = getattr(exp.measure, "context_depth", 0)  # tokens in the cache before the prompt (harness/measure/workloads.py)
-    if len(flat) == len(gens):
-        widths = [(depth + max(len(p) for p in b), len(g.step_s)) for b, g in zip(flat, gens, strict=True)]
-    else:  # a strategy that schedules its own calls (continuous batching): mean prompt length per row
-        rows = [p for b in batches for p in b]
-        widths = [(depth + round(sum(map(len, rows)) / len(rows)), len(g.step_s)) for g in gens]
-    annotate(metrics, tags, shape_from_torch(model), device, torch.get_num_threads(), mean_context(widths),
-             run_group(exp, "transformers"), exp.quantizer.name)
-
-
 # ----------------------------------------------------------------------------- plot
 def roofline_plot(rows: list[dict], path: str | Path) -> Path:
     """Achieved vs bound decode tok/s per cell (rows: label, decode_tokens_per_s, roofline_tokens_per_s)."""
@@ -298,12 +283,7 @@ def roofline_plot(rows: list[dict], path: str | Path) -> Path:
     ax.set_title("decode: achieved vs memory-bandwidth bound")
     if rows:
         ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return figures.save(fig, path, dpi=120)
 
 
 # ----------------------------------------------------------------------------- calculator

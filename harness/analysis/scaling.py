@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from harness.analysis import figures
 from harness.metrics import value
 
 PAIRS = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}  # quantbench format : llama.cpp format
@@ -184,10 +185,5 @@ def write(folder: Path, rows: list[dict], title: str = "scaling") -> list[Path]:
     ax.set_title(f"{title}: decode cost vs bytes per step")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    path = Path(folder) / "scaling.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return [path]
+    return [figures.save(fig, Path(folder) / "scaling.png")]
 

@@ -28,7 +28,6 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tok_models
 
 from harness.cache import atomic_dir, cache_root, file_key, short_hash
-from harness.cache import require_free as require_free  # re-exported: random_model, llama_cpp take it from here
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.models import hub
 from harness.schema import DTYPES

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.analysis import crossover, scaling, task_accuracy
+from harness.analysis import crossover, figures, scaling, task_accuracy
 from harness.analysis.roofline import roofline_plot
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
@@ -220,11 +220,7 @@ def plot(rows: list[dict], path: Path, title: str = "sweep") -> Path:
     bad = len(rows) - len(ok)
     ax.set_title(f"{title}: speed vs quality" + (f" ({bad} cell(s) not OK, see report.md)" if bad else ""))
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return figures.save(fig, path)
 
 
 def write_report(folder: Path, cells: list[dict], baseline: str = "none", title: str = "sweep") -> list[Path]:
