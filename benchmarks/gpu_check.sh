@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check (docs/gpu.md): fp16, bnb int8/nf4, GPTQ and the compiled reduce-overhead path on the embedded
-# model, one process per cell, table to OUT (default results/gpu_check). Not yet run on a GPU.
+# model, one process per cell, table to OUT (default results/gpu_check). First run on an H200 on 2026-12-04 (docs/gpu.md).
 #   bash benchmarks/gpu_check.sh [OUT] [--only fp16,gptq_int4] [--budget-s 540] [--dry-run] [--smoke]
 #   bash benchmarks/gpu_check.sh --bundle     # where a registry is reachable: what the lent GPU machine lacks
 # The Python environment, the first that applies:

@@ -13,6 +13,25 @@ LOG_ENV = "QUANTBENCH_LOG_FILE"  # the run's log file; run.py sets Hydra's job l
 
 
 NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "mlflow.store.db.utils", "alembic.runtime.migration")
+# libraries that log a warning on every call of a hot function: bitsandbytes' LLM.int8 logs "inputs will be
+# cast from torch.bfloat16 to float16" on every matmul (215,880 terminal lines in one quant_sweep, written
+# inside the timed decode). Each distinct message goes to the run's log file once, never to the terminal.
+PER_CALL_LOGGERS = ("bitsandbytes.autograd._functions",)
+
+
+class _OncePerMessage(logging.Filter):
+    """Lets each distinct (logger, message template) through once per process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
 
 
 class _RunLogHandler(logging.Handler):
@@ -35,16 +54,18 @@ class _RunLogHandler(logging.Handler):
 def quiet_third_party() -> None:
     """Send import-time noise that says nothing about the run to the run's log file instead of the terminal:
     torchao's optional CUDA kernels missing on a CPU machine, torch's `_pytree` deprecation warnings about
-    torchao's enums (both printed when transformers first imports torchao), MLflow's schema migrations.
-    Call it before those imports; `-v` ($QUANTBENCH_VERBOSE) leaves them on the terminal."""
+    torchao's enums (both printed when transformers first imports torchao), MLflow's schema migrations; and
+    warnings a library logs on every call (PER_CALL_LOGGERS), once each. Call it before those imports; `-v` ($QUANTBENCH_VERBOSE) leaves them on the terminal."""
     if verbose():
         return
     handler = _RunLogHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    for name in NOISY_LOGGERS:
+    for name in NOISY_LOGGERS + PER_CALL_LOGGERS:
         lib = logging.getLogger(name)
         lib.handlers = [h for h in lib.handlers if not isinstance(h, _RunLogHandler)] + [handler]
         lib.propagate = False  # not up to torch's or the root's console handlers
+        if name in PER_CALL_LOGGERS and not any(isinstance(f, _OncePerMessage) for f in lib.filters):
+            lib.addFilter(_OncePerMessage())  # a logger's filter runs before any handler: no file write per call
 
 
 def set_verbose() -> None:

@@ -31,8 +31,8 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_SMI": "/bin/false"}  # no GPU even
 def test_arguments_and_the_cell_list():
     args = gpu_check.parse_args([])
     assert args.out == "results/gpu_check" and not args.dry_run
-    assert [c.name for c in args.cells] == ["fp16", "llama8b_fp16", "bnb_int8", "bnb_nf4", "fp16_compiled_cudagraphs",
-                                            "gptq_int4"]
+    assert [c.name for c in args.cells] == ["fp16", "llama8b_fp16", "llama8b_fp16_compiled", "bnb_int8", "bnb_nf4",
+                                            "fp16_compiled_cudagraphs", "gptq_int4"]
     args = gpu_check.parse_args(["/tmp/x", "--only", "gptq_int4,fp16", "--budget-s", "100"])
     assert [c.name for c in args.cells] == ["fp16", "gptq_int4"] and args.out == "/tmp/x" and args.budget_s == 100
     smoke = gpu_check.parse_args(["--smoke"]).cells
@@ -63,9 +63,12 @@ def test_every_cell_is_a_valid_config(cell, compose):
     exp = build(cfg)
     smoke = cell is SMOKE_CELL
     assert (exp.measure.max_new_tokens, exp.measure.repetitions) == ((8, 1) if smoke else (32, 2))
-    if cell.name == gpu_check.BIG:  # the 8B shape, fp16, batch 1, random weights (no accuracy pass on them)
+    if cell.name.startswith(gpu_check.BIG):  # the 8B shape, fp16, batch 1, random weights (no accuracy pass)
         assert (exp.model.arch, exp.model.dtype, exp.quantizer.name) == ("llama-3.1-8b", "float16", "fp16")
         assert exp.strategy.batch_size == 1 and not exp.accuracy.enabled
+        compiled = (exp.measure.cache, exp.measure.compile, exp.measure.compile_mode)
+        assert compiled == (("static", True, "reduce-overhead") if cell.name.endswith("_compiled") else
+                            (exp.measure.cache, False, exp.measure.compile_mode)), compiled
 
 
 def _result(status, tps=None, error="", **tags):
@@ -77,12 +80,15 @@ def _result(status, tps=None, error="", **tags):
 # the 8B row as the run would record it on an H200: 16.06 GB per step, 250 tok/s, NVML energy
 _big = _result("OK", 250.0, **{"energy.method": "nvml"})
 _big["metrics"].update({"bytes_per_step": 16.06e9, "roofline_fraction": 0.9, "energy_j_per_token": 2.5})
+_big_compiled = _result("OK", 148.4, fast_path="compiled")
+_big_compiled["metrics"].update({"bytes_per_step": 16.06e9, "roofline_fraction": 0.53})
 
 
 def test_a_failed_hung_or_crashed_cell_is_a_row_and_the_others_run(tmp_path):
     outcomes = {
         "fp16": (0, "", _result("OK", 100.0)),
         "llama8b_fp16": (0, "", _big),
+        "llama8b_fp16_compiled": (0, "", _big_compiled),
         "bnb_int8": (None, "loading...\n", None),  # timed out, killed
         "bnb_nf4": (1, "ok\nINFO x\nerror: quantizer bnb_nf4 needs bitsandbytes with CUDA\n", None),
         "fp16_compiled_cudagraphs": (0, "", _result("OK", 250.0, fast_path="compiled")),
@@ -110,14 +116,16 @@ def test_a_failed_hung_or_crashed_cell_is_a_row_and_the_others_run(tmp_path):
     text = md.read_text()
     assert "NVIDIA H200" in text and "torch 2.11.0" in text
     table = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| format")]
-    assert len(table) == 6 and all(ln.count("|") == 18 for ln in table)  # one line per cell, no broken cells
+    assert len(table) == 7 and all(ln.count("|") == 18 for ln in table)  # one line per cell, no broken cells
     assert "| 2.50x |" in next(ln for ln in table if ln.startswith("| fp16_compiled_cudagraphs"))
     # the 8B row: 4.00 ms/token against the H200 datasheet floor of 16.06 GB / 4.8 TB/s = 3.35 ms, NVML energy
-    big = [c.strip() for c in next(ln for ln in table if ln.startswith("| llama8b_fp16")).split("|")[1:-1]]
+    big = [c.strip() for c in next(ln for ln in table if ln.startswith("| llama8b_fp16 ")).split("|")[1:-1]]
     assert big[3:6] == ["4.00", "3.35", "0.90"] and big[6] == "-" and big[11:13] == ["2.500", "nvml"]
+    compiled = [c.strip() for c in next(ln for ln in table if ln.startswith("| llama8b_fp16_compiled")).split("|")[1:-1]]
+    assert compiled[3:7] == ["6.74", "3.35", "0.53", "-"]  # no "vs fp16" ratio against the 135M model
     assert "4.80 TB/s" in text
     data = json.loads(js.read_text())
-    assert [r["status"] for r in data["rows"]] == ["OK", "OK", "TIMEOUT", "CRASHED", "OK", "FAILED"]
+    assert [r["status"] for r in data["rows"]] == ["OK", "OK", "OK", "TIMEOUT", "CRASHED", "OK", "FAILED"]
     assert data["rows"][1]["floor_ms"] == pytest.approx(3.346, abs=1e-3) and data["rows"][1]["ms_per_token"] == 4.0
     assert data["rows"][0]["weight_bytes"] == 269e6 and data["header"]["gpu"] == "NVIDIA H200"
 

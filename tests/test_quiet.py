@@ -117,3 +117,26 @@ def test_library_import_warnings_go_to_the_log_file(tmp_path):
     assert proc.stdout == ""
     logged = log_file.read_text() if log_file.exists() else ""
     assert "is an Enum subclass" in logged, logged[-2000:]
+
+
+def test_a_warning_logged_on_every_matmul_reaches_the_log_file_once_and_never_the_terminal(tmp_path, capfd,
+                                                                                            monkeypatch):
+    """bitsandbytes' LLM.int8 logs a cast warning on every matmul (215,880 terminal lines in one quant_sweep,
+    inside the timed decode): after quiet_third_party it is written once to the run's log and nowhere else."""
+    from harness import quiet_third_party
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    log_file = tmp_path / "run.log"
+    monkeypatch.setenv(LOG_ENV, str(log_file))
+    lib = logging.getLogger("bitsandbytes.autograd._functions")
+    monkeypatch.setattr(lib, "handlers", [])
+    monkeypatch.setattr(lib, "filters", [])
+    monkeypatch.setattr(lib, "propagate", True)
+    quiet_third_party()
+    for _ in range(1000):
+        lib.warning("MatMul8bitLt: inputs will be cast from %s to float16 during quantization", "torch.bfloat16")
+    lib.warning("another message")
+    out, err = capfd.readouterr()
+    assert "MatMul8bitLt" not in out + err and "another message" not in out + err
+    lines = log_file.read_text().splitlines()
+    assert sum("MatMul8bitLt" in ln for ln in lines) == 1 and sum("another message" in ln for ln in lines) == 1
