@@ -7,6 +7,7 @@ written whole (`atomic_dir`), so concurrent sweeps share it safely.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -14,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 from harness.errors import QuantbenchError
 
@@ -52,11 +55,27 @@ def require_free(directory: Path, need_bytes: float, what: str) -> None:
             f"at a larger disk")
 
 
+@contextlib.contextmanager
+def build_lock(final: Path):
+    """Hold `<final>.lock` while `final` is built: a second process that needs the same entry (a sweep's
+    cells, parallel test workers) waits for the first one's result instead of computing it again beside it.
+    The writes stay atomic either way; the lock only saves the duplicate work (minutes for a conversion)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final.parent / f".{final.name}.lock")):
+        yield
+
+
 def atomic_dir(final: Path, build) -> Path:
-    """Build a directory with `build(tmp_path)` and rename it into place (first writer wins)."""
+    """Build a directory with `build(tmp_path)` and rename it into place (one builder at a time, `build_lock`)."""
     if final.exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(final):
+        if final.exists():  # built by the process we waited for
+            return final
+        return _build_dir(final, build)
+
+
+def _build_dir(final: Path, build) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp", dir=final.parent))
     try:
         build(tmp)

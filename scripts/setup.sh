@@ -16,7 +16,10 @@ fetch_tasks() {
   # (~360 MB, once, sha256-checked), its multiple-choice tasks kept in the cache (~290 MB); 0.2 s when present
   if [ "$TASKS" = 1 ]; then "$VENV/bin/python" -m harness.analysis.tasks fetch; fi
 }
-if [ -f "$stamp" ]; then fetch_tasks; exit 0; fi
+# --all is a superset of the plain setup: its stamp (same inputs) satisfies a plain `make setup` too, so
+# `make gate` after `make test` does not reinstall the project (~40 s in CI)
+stamp_all="$VENV/.qb-setup-1-${stamp##*-}"
+if [ -f "$stamp" ] || { [ "$ALL" = 0 ] && [ -f "$stamp_all" ]; }; then fetch_tasks; exit 0; fi
 $PIP install -q --upgrade pip
 
 # torch, pinned exactly. A CUDA build already in the venv is kept; a CUDA machine gets PyPI's CUDA

@@ -47,3 +47,15 @@ def compose():
     from harness.config import compose as _compose
 
     return _compose
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`), measure this host's memory bandwidth in the controller, before any worker
+    starts. Measured beside a busy worker it would read low, and the value is cached for every later run on this
+    host (harness/analysis/bandwidth.py) as its roofline bound."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    from harness.analysis.bandwidth import host_bandwidth
+
+    for threads in sorted({1, os.cpu_count() or 1}):
+        host_bandwidth("cpu", threads)

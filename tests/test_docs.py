@@ -357,8 +357,21 @@ def test_every_command_the_docs_cannot_run_here_is_in_the_docs_and_says_why():
         assert len(why) > 20
 
 
+def _marks(cmd: DocCommand) -> list:
+    """How `make test` schedules a documented command (pyproject's markers; the Makefile's two passes).
+
+    - `serial`: a `make gate` that must pass (an A/A gate's verdict must not share the cores with another test);
+    - one xdist group for the commands that serve on the fixed port 5000 (`make ui`, `harness.records.server`).
+    """
+    if cmd.text.startswith("make gate"):
+        return [pytest.mark.serial]
+    if cmd.text.startswith("make ui") or "harness.records.server" in cmd.text:
+        return [pytest.mark.xdist_group("port5000")]
+    return []
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("cmd", RUNNABLE, ids=[c.id for c in RUNNABLE])
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in RUNNABLE], ids=[c.id for c in RUNNABLE])
 def test_documented_command_runs(cmd: DocCommand, work: Path, baselines: Path, request):
     text = _placeholders(cmd.text, work)
     if "http://127.0.0.1:5000" in text and "harness.records.server" not in text:
@@ -409,7 +422,8 @@ def test_documented_command_runs(cmd: DocCommand, work: Path, baselines: Path, r
             if not re.search(r"\bmodel=|\+experiment=", text):  # the embedded model compiles for minutes
                 args = [f"{a} model=tiny_random" if prev in ("--baseline", "--candidate") else a
                         for prev, a in zip(["", *args[:-1]], args, strict=True)]
-            args = [*args, "--output", f"{work}/gate-{cmd.line}.json", "--no-mlflow", "--budget", "5",
+            # 2 s of measuring: the command's wiring is what runs here; the gate's power is tests/test_gate_ci.py's
+            args = [*args, "--output", f"{work}/gate-{cmd.line}.json", "--no-mlflow", "--budget", "2",
                     "--min-blocks", "8"]
             proc = _run(_python(args))
             assert proc.returncode in (0, 1) and "quantbench gate:" in proc.stdout, \

@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 from harness.config import TrackingConfig
@@ -28,6 +29,8 @@ from harness.sweep import resume
 from harness.sweep.cell import run_cell
 from harness.sweep.parent import finish_sweep, mark_stale, open_parent_run
 from harness.sweep.settings import FAULT_ENV, STATE_ENV, SweepState, owner_id
+
+pytestmark = pytest.mark.serial  # drills race real processes against timeouts: never beside another test
 
 TINY = ["model=tiny_random", "measure.max_new_tokens=2", "measure.repetitions=1", "measure.warmup=0",
         "accuracy.enabled=false"]

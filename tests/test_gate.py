@@ -502,6 +502,7 @@ def overrides(mlflow_dir: Path, tmp_path: Path, extra: str = "") -> str:
     return f"{SMOKE} tracking.uri=sqlite:///{mlflow_dir}/mlflow.db tracking.results_dir={tmp_path} {extra}".strip()
 
 
+@pytest.mark.serial  # a real A/A gate must pass: its measuring must not share the cores with another test
 def test_real_gate_on_smoke_config_passes_against_committed_baseline(tmp_path, mlflow_dir, monkeypatch):
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
     ov = overrides(mlflow_dir, tmp_path)

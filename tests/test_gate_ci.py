@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # the gate's verdicts need the cores to themselves
 
 ANCHOR = "        tokens = nxt.tolist()\n        sync(device)\n        dt = now() - t\n"  # strategies/decode.py's step
 UNIT = 64  # one unit of work: (64 x 64) @ (64 x 64), fp32

@@ -117,6 +117,7 @@ def test_fault_drill_then_resume_reruns_only_the_bad_cells(tmp_path):
     assert not [r for r in runs if r.info.status == "RUNNING"]
 
 
+@pytest.mark.serial  # an OK cell must finish inside an 8 s timeout: not beside another test
 def test_crashed_and_timed_out_cells_are_classified_then_resume_reruns_only_them(tmp_path, monkeypatch, capsys):
     """The fast form of the drill above, in CI: one cell SIGKILLed, one past a short timeout, one OK."""
     args = ["name=fast", "quantizer=fp32", "measure.seed=0,1,2", "sweep.timeout_s=8"]
@@ -217,6 +218,7 @@ def _popen(args: list[str], tmp: Path, faults: dict) -> subprocess.Popen:
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.serial  # a drill against a live process tree
 def test_sigterm_kills_the_cell_and_closes_the_sweep(tmp_path):
     import psutil
 

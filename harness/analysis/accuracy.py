@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from harness.analysis.corpus import BUILTIN_CORPUS  # noqa: F401 - re-exported
 from harness.analysis.corpus import load as load_corpus
-from harness.cache import cache_root
+from harness.cache import build_lock, cache_root
 from harness.config import TASK_FIELDS, AccuracyConfig
 from harness.errors import QuantbenchError
 from harness.measure import model_grad_mode
@@ -335,13 +335,10 @@ def build_reference(source: Any, tokenizer: Any, cfg: AccuracyConfig, device: st
 def reference_key(model_identity: dict, cfg: AccuracyConfig) -> str:
     import transformers
 
-    corpus_text = load_corpus(cfg.corpus)
-    key = {
-        "format": RECORD_FORMAT,
-        "model": model_identity, "corpus": hashlib.sha256(corpus_text.encode()).hexdigest(),
-        "accuracy": {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "kl", *TASK_FIELDS)},
-        "torch": torch.__version__, "transformers": transformers.__version__,
-    }
+    key = {"format": RECORD_FORMAT, "model": model_identity,
+           "corpus": hashlib.sha256(load_corpus(cfg.corpus).encode()).hexdigest(),
+           "accuracy": {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "kl", *TASK_FIELDS)},
+           "torch": torch.__version__, "transformers": transformers.__version__}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -374,13 +371,8 @@ def save_reference(path: Path, record: dict, meta: dict) -> None:
     os.replace(tmp, path)
 
 
-def ensure_reference(source: Any, tokenizer: Any, cfg: AccuracyConfig, device: str) -> tuple[dict, bool]:
-    """Return the reference record for this (model, corpus, settings), computing it on a cache miss.
-
-    Returns (record, cache_hit); record["meta"] says how to read it. Called before the run's own model is
-    loaded, so the reference model is freed before peak memory is measured.
-    """
-    path = reference_path(source.identity(), cfg)
+def _usable_reference(path: Path, source: Any) -> dict | None:
+    """The cached record at `path` if its output layer still matches the model directory, else None."""
     record = load_reference(path)
     if record is not None and record["meta"]["mode"] == "exact":
         record["meta"]["model_dir"] = str(source.local_dir())
@@ -389,11 +381,20 @@ def ensure_reference(source: Any, tokenizer: Any, cfg: AccuracyConfig, device: s
         except QuantbenchError as exc:
             log.warning("accuracy: rebuilding the reference record: %s", exc)
             record = None
-    if record is not None:
-        return record, True
-    tensors, meta = build_reference(source, tokenizer, cfg, device)
-    save_reference(path, tensors, meta)
+    return record
+
+
+def ensure_reference(source: Any, tokenizer: Any, cfg: AccuracyConfig, device: str) -> tuple[dict, bool]:
+    """Return the reference record for this (model, corpus, settings), computing it on a cache miss.
+
+    Returns (record, cache_hit); record["meta"] says how to read it. Called before the run's own model is
+    loaded, so the reference model is freed before peak memory is measured.
+    """
+    path = reference_path(source.identity(), cfg)
+    with build_lock(path):  # a second process needing this record waits for the first one's, then reads it
+        if (record := _usable_reference(path, source)) is not None:
+            return record, True
+        save_reference(path, *build_reference(source, tokenizer, cfg, device))
     record = load_reference(path)
-    assert record is not None
     record["meta"]["model_dir"] = str(source.local_dir())
     return record, False

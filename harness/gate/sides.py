@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER_PATH = "harness/gate/worker.py"
 PROTOCOL = 1  # the protocol this gate speaks: equal to harness/gate/worker.py's PROTOCOL (tested)
 PROTOCOL_LINE = re.compile(r"^PROTOCOL\s*=\s*(\d+)\s*$", re.M)
+WORKTREE_LOCK = threading.Lock()
 
 
 def git(*args: str, repo: Path | None = None) -> str:
@@ -109,8 +110,9 @@ class WorkerSide:
         cwd = self.repo
         if self.rev:
             self.root = self.tmp / "tree"
-            out = subprocess.run(["git", "-C", str(self.repo), "worktree", "add", "--detach", str(self.root),
-                                  self.sha], capture_output=True, text=True)
+            with WORKTREE_LOCK:  # the sides start at once (harness/gate/cli.py); git's worktree list takes one writer
+                out = subprocess.run(["git", "-C", str(self.repo), "worktree", "add", "--detach", str(self.root),
+                                      self.sha], capture_output=True, text=True)
             if out.returncode:
                 self.root = None
                 raise GateError(f"git worktree add {self.rev} failed: {(out.stderr.strip().splitlines() or [''])[-1]}")

@@ -38,7 +38,7 @@ import numpy as np
 from harness import measure, third_party_output
 from harness.analysis import accuracy
 from harness.analysis.roofline import ModelShape, shape_from_gguf
-from harness.cache import cache_root, file_key, require_free, short_hash
+from harness.cache import build_lock, cache_root, file_key, require_free, short_hash
 from harness.config import Experiment
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.measure import memory, workloads
@@ -74,7 +74,6 @@ def convert(src: Path, fmt: str, threads: int) -> Path:
     """The GGUF in llama.cpp format `fmt`, converted once and cached (atomic rename)."""
     if FORMATS[fmt] is None:
         return src
-    import llama_cpp  # optional extra
     from gguf import GGUFReader  # only the llama.cpp paths need it
 
     reader = GGUFReader(str(src))
@@ -82,12 +81,21 @@ def convert(src: Path, fmt: str, threads: int) -> Path:
     if field is not None and int(field.parts[field.data[0]][0]) == FORMATS[fmt]:
         return src  # already in that format: a converted copy would only duplicate it on disk
     out = converted_path(src, fmt)
+    n_weights = sum(int(t.n_elements) for t in reader.tensors)
+    del reader
     if out.is_file():
         return out
+    with build_lock(out):  # another process converting the same file: wait for its result
+        if out.is_file():
+            return out
+        return _convert(src, out, fmt, threads, n_weights)
+
+
+def _convert(src: Path, out: Path, fmt: str, threads: int, n_weights: int) -> Path:
+    import llama_cpp
+
     # a full disk makes llama.cpp fail with a bare code 1 after minutes of work: check first, in one line
-    require_free(out.parent, sum(int(t.n_elements) for t in reader.tensors) * BYTES_PER_WEIGHT[fmt],
-                 f"converting {src.name} to {fmt}")
-    del reader
+    require_free(out.parent, n_weights * BYTES_PER_WEIGHT[fmt], f"converting {src.name} to {fmt}")
     tmp = out.with_suffix(f".tmp{os.getpid()}.gguf")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FORMATS[fmt]
