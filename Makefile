@@ -14,10 +14,10 @@ setup-all:
 run: setup
 	$(PY) run.py $(ARGS)
 
-# The suite in two passes (pytest's exit 5, "no test selected", is fine in either; both must not be empty):
-# every test not marked `serial` on TEST_WORKERS pytest-xdist workers (2: measured 1.6x faster on 2 cores,
-# docs/testing.md), then the `serial` ones (the CI gate, fault drills, cell timeouts) alone on an idle machine.
-# Tests of one xdist_group share a worker (the commands that serve on port 5000).
+# The suite in two passes: every test not marked `serial` on TEST_WORKERS pytest-xdist workers (2: 1.6x faster
+# than one process on 2 cores, README "Regression gate in CI"), then the `serial` tests (the CI gate on real
+# commits, fault drills, cell timeouts) alone. Tests of one xdist_group share a worker (the commands that serve
+# on port 5000). A pass that selects nothing (pytest's exit 5, e.g. under a PYTEST_ARGS -k) is fine; both: exit 5.
 TEST_WORKERS ?= 2
 test: setup-all
 	@code1=0; code2=0; \

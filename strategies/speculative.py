@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from harness import gguf_meta
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.measure import Generation, model_grad_mode, near_tie, now, percentile, resolve_device, sync
 from quantizers.dtype import Dtype
@@ -192,9 +193,7 @@ def source_vocab(source: Any) -> dict[str, int]:
     """Token -> id map of a model source, read from tokenizer files (no model weights are loaded)."""
     gguf = source.gguf_path
     if gguf is not None:
-        from gguf import GGUFReader
-
-        tokens = GGUFReader(str(gguf)).fields["tokenizer.ggml.tokens"]
+        tokens = gguf_meta.read(gguf).fields["tokenizer.ggml.tokens"]
         return {bytes(tokens.parts[i]).decode("utf-8", "replace"): n for n, i in enumerate(tokens.data)}
     local = Path(source.local_dir())
     tj = local / "tokenizer.json"

@@ -7,7 +7,8 @@ from conftest import SHARED_DATA
 
 from harness.run import runner
 
-pytestmark = pytest.mark.slow
+# one xdist worker runs the whole module: its fixture (two runs of the real model) is built once, not per worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("embedded_model")]
 
 WIKITEXT = SHARED_DATA / "test.txt"
 

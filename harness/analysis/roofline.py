@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import gguf_meta
 from harness.analysis import figures
 from harness.analysis.bandwidth import DEVICES, Bandwidth, host_bandwidth, host_key
 from harness.cache import cache_root, short_hash
@@ -101,9 +102,7 @@ def shape_from_torch(model: Any) -> ModelShape:
 
 def shape_from_gguf(path: str | Path, kv_elem_bytes: float = 2.0) -> ModelShape:
     """Shape of a GGUF file as llama.cpp reads it (its KV cache is f16 by default: 2 bytes)."""
-    from gguf import GGUFReader  # optional and heavy: only for a GGUF model
-
-    reader = GGUFReader(str(path))
+    reader = gguf_meta.read(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
 
     def field(name: str) -> int:

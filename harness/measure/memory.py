@@ -30,6 +30,7 @@ from typing import Any
 
 import psutil
 
+from harness import gguf_meta
 from harness.analysis.roofline import shape_from_gguf
 from harness.cache import short_hash
 from harness.errors import QuantbenchError, Unsupported
@@ -112,9 +113,7 @@ def _counts_from_hf(cfg: Any) -> Counts:
 
 
 def _counts_from_gguf(path: Path) -> Counts:
-    from gguf import GGUFReader
-
-    tensors = GGUFReader(str(path)).tensors
+    tensors = gguf_meta.read(path).tensors
     shape = shape_from_gguf(path)
     layer: dict[str, float] = {}
     for t in tensors:

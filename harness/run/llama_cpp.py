@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from harness import measure, third_party_output
+from harness import gguf_meta, measure, third_party_output
 from harness.analysis import accuracy
 from harness.analysis.roofline import ModelShape, shape_from_gguf
 from harness.cache import build_lock, cache_root, file_key, require_free, short_hash
@@ -74,15 +74,12 @@ def convert(src: Path, fmt: str, threads: int) -> Path:
     """The GGUF in llama.cpp format `fmt`, converted once and cached (atomic rename)."""
     if FORMATS[fmt] is None:
         return src
-    from gguf import GGUFReader  # only the llama.cpp paths need it
-
-    reader = GGUFReader(str(src))
+    reader = gguf_meta.read(src)
     field = reader.fields.get("general.file_type")
     if field is not None and int(field.parts[field.data[0]][0]) == FORMATS[fmt]:
         return src  # already in that format: a converted copy would only duplicate it on disk
     out = converted_path(src, fmt)
     n_weights = sum(int(t.n_elements) for t in reader.tensors)
-    del reader
     if out.is_file():
         return out
     with build_lock(out):  # another process converting the same file: wait for its result
@@ -299,16 +296,12 @@ class LlamaCppSession(Session):
 
 def gguf_params(path: Path) -> float:
     """Logical parameter count: every tensor's elements (a tied output projection has no tensor)."""
-    from gguf import GGUFReader  # only the llama.cpp paths need it
-
-    return float(sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors))
+    return float(sum(int(t.n_elements) for t in gguf_meta.read(path).tensors))
 
 
 def linear_bits(path: Path) -> float:
     """Stored bits per weight over the transformer blocks' matrices (as the quantizer audit counts them)."""
-    from gguf import GGUFReader  # only the llama.cpp paths need it
-
-    mats = [t for t in GGUFReader(str(path)).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    mats = [t for t in gguf_meta.read(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
     return 8.0 * sum(int(t.n_bytes) for t in mats) / sum(int(t.n_elements) for t in mats)
 
 
