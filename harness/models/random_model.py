@@ -25,6 +25,7 @@ strategy whose metrics depend on the weights (`weight_dependent`), is refused (d
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from dataclasses import dataclass
@@ -155,7 +156,9 @@ class RandomModel(ModelSource):
     def hf_config(self):
         from transformers import AutoConfig
 
-        fields = {k: v for k, v in self.config.items() if k not in ("architectures", "torch_dtype", "dtype")}
+        # a deep copy: transformers rewrites nested fields in place (rope_scaling gains rope_theta), and the
+        # config is this model's identity, the key of its cached weights and GGUF
+        fields = copy.deepcopy({k: v for k, v in self.config.items() if k not in ("architectures", "torch_dtype", "dtype")})
         return AutoConfig.for_model(**fields)
 
     def tokenizer(self) -> IdTokenizer:
