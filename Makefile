@@ -14,14 +14,14 @@ setup-all:
 run: setup
 	$(PY) run.py $(ARGS)
 
-# The suite in two passes: every test not marked `serial` on TEST_WORKERS pytest-xdist workers (2: 1.6x faster
-# than one process on 2 cores, README "Regression gate in CI"), then the `serial` tests (the CI gate on real
-# commits, fault drills, cell timeouts) alone. Tests of one xdist_group share a worker (the commands that serve
-# on port 5000). A pass that selects nothing (pytest's exit 5, e.g. under a PYTEST_ARGS -k) is fine; both: exit 5.
+# The suite in two passes: every test not marked `serial` on TEST_WORKERS pytest-xdist workers (2 on 2 cores:
+# ~12 min for the suite with cold model caches, where one process took ~20), then the `serial` tests (the CI gate on real
+# commits, fault drills, cell timeouts) alone. The workers take whole modules, and tests/test_docs.py command by
+# command (tests/conftest.py's scheduler). A pass that selects nothing (pytest's exit 5, e.g. under a PYTEST_ARGS -k) is fine; both: exit 5.
 TEST_WORKERS ?= 2
 test: setup-all
 	@code1=0; code2=0; \
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not heavy and not serial" $(PYTEST_ARGS) || code1=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not heavy and not serial" $(PYTEST_ARGS) || code1=$$?; \
 	$(PY) -m pytest -p no:xdist -m "serial and not heavy" $(PYTEST_ARGS) || code2=$$?; \
 	if [ $$code1 = 5 ] && [ $$code2 = 5 ]; then echo "make test: no test selected"; exit 5; fi; \
 	for c in $$code1 $$code2; do [ $$c = 0 ] || [ $$c = 5 ] || exit $$c; done

@@ -59,3 +59,23 @@ def pytest_configure(config):
 
     for threads in sorted({1, os.cpu_count() or 1}):
         host_bandwidth("cpu", threads)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """How `make test`'s xdist workers share the suite: one module at a time, so a module's fixtures (the embedded
+    model's runs, reference models) are built once, not once per worker; but tests/test_docs.py, the longest module,
+    command by command, except that the commands serving on the fixed port 5000 go to one worker (never together).
+
+    (pytest-xdist's own `--dist loadgroup` would do the grouping from marks, but its group suffix on the node id has
+    no effect under pytest 9: measured, the marked tests still went to both workers.)
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndDocCommands(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path, _, rest = nodeid.partition("::")
+            if not path.endswith("tests/test_docs.py") or not rest.startswith("test_documented_command_runs["):
+                return path
+            return "docs-port5000" if ("make ui" in rest or "harness.records.server" in rest) else nodeid
+
+    return ModulesAndDocCommands(config, log)

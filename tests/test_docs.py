@@ -358,16 +358,9 @@ def test_every_command_the_docs_cannot_run_here_is_in_the_docs_and_says_why():
 
 
 def _marks(cmd: DocCommand) -> list:
-    """How `make test` schedules a documented command (pyproject's markers; the Makefile's two passes).
-
-    - `serial`: a `make gate` that must pass (an A/A gate's verdict must not share the cores with another test);
-    - one xdist group for the commands that serve on the fixed port 5000 (`make ui`, `harness.records.server`).
-    """
-    if cmd.text.startswith("make gate"):
-        return [pytest.mark.serial]
-    if cmd.text.startswith("make ui") or "harness.records.server" in cmd.text:
-        return [pytest.mark.xdist_group("port5000")]
-    return []
+    """`serial` for a `make gate` that must pass: an A/A gate's verdict must not share the cores with another test
+    (`make test` runs the serial tests after the parallel pass; the port-5000 commands: tests/conftest.py)."""
+    return [pytest.mark.serial] if cmd.text.startswith("make gate") else []
 
 
 @pytest.mark.slow

@@ -7,8 +7,7 @@ from conftest import SHARED_DATA
 
 from harness.run import runner
 
-# one xdist worker runs the whole module: its fixture (two runs of the real model) is built once, not per worker
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("embedded_model")]
+pytestmark = pytest.mark.slow
 
 WIKITEXT = SHARED_DATA / "test.txt"
 
