@@ -61,6 +61,7 @@ def pytest_configure(config):
         host_bandwidth("cpu", threads)
 
 
+@pytest.hookimpl(optionalhook=True)  # the serial pass runs without xdist (-p no:xdist), which defines this hook
 def pytest_xdist_make_scheduler(config, log):
     """How `make test`'s xdist workers share the suite: one module at a time, so a module's fixtures (the embedded
     model's runs, reference models) are built once, not once per worker; but tests/test_docs.py, the longest module,
