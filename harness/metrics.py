@@ -193,6 +193,8 @@ _TABLE: list[Metric] = [
     Metric("kl_div_mean", "nats", _L, "accuracy", "mean KL divergence from the reference, whole vocabulary",
            Column("KL", "{:.4f}", 50, always=True), gate="accuracy"),
     Metric("kl_div_p99", "nats", _L, "accuracy", "99th percentile of the per-token KL divergence"),
+    Metric("kl_div_mean_lo", "nats", _L, "accuracy", "kl_div_mean's 95% interval, low end (block bootstrap)"),
+    Metric("kl_div_mean_hi", "nats", _L, "accuracy", "kl_div_mean's 95% interval, high end (block bootstrap)"),
     Metric("top1_agreement", "ratio", _H, "accuracy", "tokens whose argmax equals the reference's",
            Column("top-1", "{:.3f}", 60, always=True), gate="accuracy"),
     Metric("kl_ref_tail_mass", "ratio", _N, "accuracy", "top-k reference: probability outside the kept top k"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness.analysis import accuracy as acc
+from harness.analysis import intervals
 from harness.config import build
 from harness.errors import ConfigError
 from tests.conftest import FAST
@@ -66,6 +67,10 @@ def test_exact_kl_equals_full_vocabulary_kl(compose, cache):
     assert got["kl_div_p99"] == pytest.approx(float(torch.quantile(kl, 0.99)), rel=1e-6)
     assert got["top1_agreement"] == pytest.approx(float(agree.mean()), abs=1e-12)
     assert got["kl_ref_tail_mass"] == 0.0 and got["kl_div_tail_bound"] == 0.0
+    # the interval is the block bootstrap of these per-token KLs (harness/analysis/intervals.py), around the mean
+    assert (got["kl_div_mean_lo"], got["kl_div_mean_hi"]) == pytest.approx(
+        intervals.block_bootstrap_mean(kl.double().numpy()), rel=1e-6)
+    assert got["kl_div_mean_lo"] < got["kl_div_mean"] < got["kl_div_mean_hi"]
     # the reference against its own record: exactly 0, not a rounding residue
     same = acc.score(ref_model, ids, exp.accuracy, "cpu", reference=reference)
     assert same["kl_div_mean"] == 0.0 and same["top1_agreement"] == 1.0

@@ -22,11 +22,10 @@ format, model, corpus, accuracy settings, library versions), so a sweep computes
   sum_tail p_i log(p_i/q_i) - P log(P/Q). Every tail p_i is <= p_k (the smallest stored probability)
   and they sum to P; the convex first term is largest at a vertex of that set: p_k on the smallest q_i
   until P is used up. `kl_div_tail_bound` is the mean of that bound (hidden KL <= bound), so the full KL
-  lies in [kl_div_mean, kl_div_mean + kl_div_tail_bound]; `kl_ref_tail_mass` is the mean of P.
-  Both metrics are 0 for an exact record.
+  lies in [kl_div_mean, kl_div_mean + kl_div_tail_bound]; `kl_ref_tail_mass` is the mean of P (both 0 if exact).
 
-Top-1 agreement is exact in both modes (the reference's argmax is stored); the reference against itself
-gives KL exactly 0.
+Top-1 agreement is exact in both modes (the reference's argmax is stored); the reference against itself gives KL
+exactly 0. `kl_div_mean_lo`/`_hi`: a 95% block-bootstrap interval of kl_div_mean (harness/analysis/intervals.py).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from harness.analysis import intervals
 from harness.analysis.corpus import BUILTIN_CORPUS  # noqa: F401 - re-exported
 from harness.analysis.corpus import load as load_corpus
 from harness.cache import build_lock, cache_root
@@ -51,8 +51,7 @@ from harness.errors import QuantbenchError
 from harness.measure import model_grad_mode
 from harness.models import load_pretrained, torch_dtype
 
-# safetensors and transformers (for its version) are imported where used: only the reference record needs them
-# (tests/test_layout.py, LAZY_OK).
+# safetensors and transformers (for its version) are imported where used: only the reference record needs them.
 
 log = logging.getLogger("quantbench")
 
@@ -201,6 +200,7 @@ def score(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, referenc
         kl_all = torch.cat(kls).clamp(min=0.0)
         out["kl_div_mean"] = float(kl_all.mean())
         out["kl_div_p99"] = float(torch.quantile(kl_all, 0.99))
+        out.update(intervals.kl_interval(kl_all.double().numpy()))  # the 95% block-bootstrap interval
         out["top1_agreement"] = float(torch.cat(agree).mean())
         out["kl_ref_tail_mass"] = float(torch.cat(tails).mean()) if tails else 0.0
         out["kl_div_tail_bound"] = float(torch.cat(bounds).mean()) if bounds else 0.0

@@ -17,80 +17,25 @@ To add one, give the metric a `Column` there; nothing here changes.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
-from harness.analysis import crossover, figures, scaling, task_accuracy
+from harness.analysis import crossover, figures, frontier, scaling, task_accuracy
 from harness.analysis.roofline import roofline_plot
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
 from harness.metrics import HEADLINE, METRICS, Metric, direction_mark, report_columns
 from harness.metrics import value as _num  # a finite float or None
-from harness.records.results import invocation_cells, sweep_baseline
+from harness.records import sweeps
+from harness.records.results import sweep_baseline
+from harness.records.rows import describe, machines, rows_for  # noqa: F401 - the report's view of a cell
 
 log = logging.getLogger("quantbench")
 
 
 def _fmt(v: float | None, fmt: str) -> str:
     return "—" if v is None else fmt.format(v)
-
-
-def describe(cell: dict) -> dict[str, Any]:
-    """The report's view of one result dict."""
-    tags, m, config = cell.get("tags") or {}, cell.get("metrics") or {}, cell.get("config") or {}
-    batch = _num(m, "batch_size") or _num(config.get("strategy") or {}, "batch_size") or 1.0
-    depth = _num(m, "context_depth_tokens") or _num(config.get("measure") or {}, "context_depth") or 0.0
-    return {
-        "cell": tags.get("sweep.cell") or cell.get("run_name") or "?",
-        "quantizer": tags.get("quantizer.name") or tags.get("choice.quantizer") or "?",
-        "strategy": tags.get("strategy.name") or tags.get("choice.strategy") or "?",
-        "batch": int(batch),
-        "depth": int(depth),  # measure.context_depth: tokens in the KV cache before the prompt
-        "tags": tags,
-        "status": cell.get("status", "?"),
-        "error": cell.get("error", ""),
-        "metrics": m,
-    }
-
-
-def _baseline_speed(rows: list[dict], baseline: str) -> dict[tuple, float]:
-    speeds: dict[tuple, float] = {}
-    for r in rows:
-        tps = _num(r["metrics"], HEADLINE)
-        if r["status"] == "OK" and r["quantizer"] == baseline and tps:
-            speeds.setdefault((r["strategy"], r["batch"], r["depth"]), tps)
-            speeds.setdefault((r["strategy"], r["batch"]), tps)
-            speeds.setdefault((r["strategy"],), tps)
-            speeds.setdefault((), tps)
-    return speeds
-
-
-def rows_for(cells: list[dict], baseline: str = "none") -> list[dict]:
-    rows = [describe(c) for c in cells]
-    speeds = _baseline_speed(rows, baseline)
-    for r in rows:
-        base = (speeds.get((r["strategy"], r["batch"], r["depth"])) or speeds.get((r["strategy"], r["batch"]))
-                or speeds.get((r["strategy"],)) or speeds.get(()))
-        tps = _num(r["metrics"], HEADLINE)
-        r["ratio"] = tps / base if (tps and base and r["status"] == "OK") else None
-    return rows
-
-
-def machines(rows: list[dict]) -> list[str]:
-    """The distinct machines the cells ran on (CPU model, ISA tags, threads; GPU name when one ran)."""
-    seen: dict[str, None] = {}
-    for r in rows:
-        t = r["tags"]
-        if not t.get("cpu.isa") and not t.get("device_name"):
-            continue
-        cpu = f"{t.get('cpu_model', '?')} (family {t.get('cpu.family', '?')} model {t.get('cpu.model', '?')}, " \
-              f"{t.get('cpu.isa', '?')}, bf16 {t.get('cpu.bf16', '?')}), {t.get('threads', '?')} threads"
-        gpu = t.get("device_name", "") if str(t.get("device", "")).startswith("cuda") else ""
-        seen[f"{gpu} on {cpu}" if gpu else cpu] = None
-    return list(seen)
 
 
 def _machine_line(rows: list[dict]) -> list[str]:
@@ -223,15 +168,20 @@ def plot(rows: list[dict], path: Path, title: str = "sweep") -> Path:
     return figures.save(fig, path)
 
 
-def write_report(folder: Path, cells: list[dict], baseline: str = "none", title: str = "sweep") -> list[Path]:
-    """Write report.md and report.png into folder; returns their paths."""
+def write_report(folder: Path, cells: list[dict], baseline: str = "none", title: str = "sweep",
+                 probes: list[dict] | None = None) -> list[Path]:
+    """Write report.md and report.png (and the figures that apply) into folder; returns their paths.
+
+    `probes`: the sweep's drift probe(s) (harness/sweep/drift.py), which widen the frontier's speed intervals."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rows = rows_for(cells, baseline)
     md = folder / "report.md"
-    md.write_text(markdown(rows, baseline, title) + task_accuracy.section(rows) + bench_table(rows)
-                  + crossover.section(rows, baseline) + scaling.section(rows))
+    md.write_text(markdown(rows, baseline, title) + frontier.section(rows, baseline, probes)
+                  + task_accuracy.section(rows) + bench_table(rows) + crossover.section(rows, baseline)
+                  + scaling.section(rows))
     paths = [md, plot(rows, folder / "report.png", title)]
+    paths += frontier.write(folder, rows, baseline, title, probes)  # two or more formats: the frontier figure
     paths += crossover.write(folder, rows, baseline, title)  # cells varying batch size / context depth
     paths += scaling.write(folder, rows, title)  # cells spanning model sizes (harness/analysis/scaling.py)
     bound = [{"label": r["cell"], "decode_tokens_per_s": _num(r["metrics"], HEADLINE),
@@ -242,77 +192,53 @@ def write_report(folder: Path, cells: list[dict], baseline: str = "none", title:
     return paths
 
 
-def cells_from_mlflow(tracking_uri: str, experiment: str, sweep: str = "") -> tuple[str, list[dict]]:
-    """The latest sweep's (or the named sweep's) cells as result dicts, from MLflow runs."""
-    from mlflow.tracking import MlflowClient  # slow to import: only this path reads MLflow
-
-    c = MlflowClient(tracking_uri=tracking_uri)
-    exp = c.get_experiment_by_name(experiment)
-    if exp is None:
-        raise QuantbenchError(f"no MLflow experiment {experiment!r} at {tracking_uri}; check --mlflow-experiment "
-                              "and --tracking-uri")
-    filt = "tags.`quantbench.role` = 'sweep'" + (f" and tags.`quantbench.sweep` = '{sweep}'" if sweep else "")
-    parents = c.search_runs([exp.experiment_id], filter_string=filt, order_by=["attributes.start_time DESC"],
-                            max_results=1)
-    if not parents:
-        raise QuantbenchError(f"no sweep run{' named ' + repr(sweep) if sweep else ''} in experiment "
-                              f"{experiment!r}; run one with: python run.py +experiment=smoke")
-    parent = parents[0]
-    children = c.search_runs([exp.experiment_id],
-                             filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
-                             order_by=["attributes.start_time ASC"], max_results=5000)
-    latest: dict[str, dict] = {}
-    for run in children:
-        tags = dict(run.data.tags)
-        if tags.get("superseded_by"):
-            continue
-        params = run.data.params
-        status = tags.get("status") or {"FINISHED": "OK", "KILLED": "KILLED"}.get(run.info.status, "FAILED")
-        cell = {"status": status, "metrics": dict(run.data.metrics), "tags": tags,
-                "run_name": run.info.run_name, "error": tags.get("error", ""), "mlflow_run_id": run.info.run_id,
-                "config": {"sweep": {"baseline": params.get("sweep.baseline", "")},
-                           "strategy": {"batch_size": params.get("strategy.batch_size")}}}
-        latest[tags.get("config_hash") or run.info.run_id] = cell  # ascending start: the rerun wins
-    return parent.data.tags.get("quantbench.sweep", sweep or "sweep"), list(latest.values())
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.report",
                                  description="Write report.md and report.png for a sweep, from its results folder "
-                                             "or from MLflow.")
-    ap.add_argument("folder", nargs="?", help="a sweep folder, e.g. results/smoke")
+                                             "or from MLflow; with --frontier, the format frontier of several sweeps.")
+    ap.add_argument("folder", nargs="*", help="a sweep folder, e.g. results/smoke (--frontier: one or more)")
     ap.add_argument("--mlflow-experiment", default="", help="read the sweep from this MLflow experiment instead")
-    ap.add_argument("--sweep", default="", help="with --mlflow-experiment: the sweep name (default: the latest)")
+    ap.add_argument("--sweep", default="", help="with MLflow: the sweep (experiment) name (default: the latest)")
     ap.add_argument("--tracking-uri", default="", help="MLflow URI (default: sqlite store under results/)")
     ap.add_argument("--out", default="", help="where to write (default: the sweep folder)")
     ap.add_argument("--all", action="store_true", help="folder mode: every cell in cells/, not only the latest run")
     ap.add_argument("--baseline", default="", help="quantizer name for the speed ratio (default: the sweep's)")
+    ap.add_argument("--frontier", action="store_true", help="the frontier of several sweeps, one panel per machine "
+                    "(harness/records/sweeps.py): sweep folders, or MLflow sweeps named --sweep")
+    ap.add_argument("--sweep-ids", default="", help="--frontier from MLflow: parent run ids, comma-separated")
+    ap.add_argument("--tag", default="", help="--frontier from MLflow: only parent runs with this tag (KEY=VALUE)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    uri = args.tracking_uri or TrackingConfig().resolved_uri()
     try:
-        if args.mlflow_experiment:
-            uri = args.tracking_uri or TrackingConfig().resolved_uri()
-            name, cells = cells_from_mlflow(uri, args.mlflow_experiment, args.sweep)
-            out = Path(args.out or Path(TrackingConfig().results_dir) / name)
-        elif args.folder:
-            folder = Path(args.folder)
-            if not folder.is_dir():
-                raise QuantbenchError(f"{folder} is not a sweep folder; pass results/<sweep> (run one with: "
-                                      "python run.py +experiment=smoke)")
-            if args.all:
-                cells = [json.loads(p.read_text()) for p in sorted((folder / "cells").glob("*.json"))]
+        if args.frontier:
+            if args.folder:
+                found = [sweeps.from_folder(Path(f), args.all) for f in args.folder]
+            elif args.sweep:
+                ids = [i.strip() for i in args.sweep_ids.split(",") if i.strip()]
+                found = sweeps.select_from_mlflow(uri, args.mlflow_experiment or TrackingConfig().experiment,
+                                                  args.sweep, ids, args.tag)
             else:
-                cells = invocation_cells(folder)
-            name, out = folder.name, Path(args.out or folder)
+                raise QuantbenchError("--frontier needs sweep folders or --sweep NAME (e.g. --sweep quant_sweep)")
+            out = Path(args.out or Path(TrackingConfig().results_dir) / f"frontier-{args.sweep or 'folders'}")
+            print("wrote " + ", ".join(map(str, sweeps.write_frontier(found, out))))
+            return 0
+        if args.mlflow_experiment:
+            sweep = sweeps.latest_from_mlflow(uri, args.mlflow_experiment, args.sweep)
+            out = Path(args.out or Path(TrackingConfig().results_dir) / sweep.name)
+        elif len(args.folder) == 1:
+            sweep = sweeps.from_folder(Path(args.folder[0]), args.all)
+            out = Path(args.out or args.folder[0])
         else:
-            raise QuantbenchError("pass a sweep folder (results/<sweep>) or --mlflow-experiment NAME")
-        if not cells:
+            raise QuantbenchError("pass one sweep folder (results/<sweep>) or --mlflow-experiment NAME "
+                                  "(several folders: add --frontier)")
+        if not sweep.cells:
             raise QuantbenchError("no cell results found; run the sweep first (python run.py +experiment=<name>)")
     except QuantbenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    baseline = args.baseline or sweep_baseline(cells)
-    paths = write_report(out, cells, baseline=baseline, title=f"sweep {name}")
+    baseline = args.baseline or sweep_baseline(sweep.cells)
+    paths = write_report(out, sweep.cells, baseline=baseline, title=f"sweep {sweep.name}", probes=sweep.probes)
     print("wrote " + ", ".join(map(str, paths)))
     return 0
 

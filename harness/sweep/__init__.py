@@ -14,7 +14,8 @@ How a Hydra multirun becomes a sweep (any launcher: basic, submitit_local, ...):
   writes `results/<sweep>/cells/<hash>.json` and logs a nested MLflow run under the parent. It never
   raises for a failed cell, so the sweep goes on.
 - `callback.SweepCallback.on_multirun_end` (`parent.finish_sweep`) reads the cells of this invocation
-  back from disk (so the result is the same whatever the launcher and wherever the jobs ran), writes
+  back from disk (so the result is the same whatever the launcher and wherever the jobs ran), runs the
+  drift probe where `sweep.drift_probe` is set (the baseline cell again, speed only: `drift`), writes
   report.md / report.png, logs them to the parent run, ends it, and sets the exit code run.py returns
   (non-zero when any cell is not OK, or when none is OK: a sweep that measured nothing must not pass).
 
@@ -34,5 +35,6 @@ so it never changes a cell's config hash and a resume without it runs the same c
 
 Modules, lowest first: settings (sweep settings, the state file, cell names), resume (resume key, folder
 lock), progress (bar and terminal lines), isolated (a cell's child process), cell (one Hydra job), parent
-(open and close a sweep), callback (the Hydra callback); preload is what the forkserver imports.
+(open and close a sweep), callback (the Hydra callback); drift is the probe that measures the drift between
+cells; preload is what the forkserver imports.
 """

@@ -18,12 +18,12 @@ from typing import Any
 from harness import env
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
-from harness.records import report
+from harness.records import report, sweeps
 from harness.records.mlflow_runs import client, experiment_id, retry
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.tracking import UPLOAD
 from harness.run.runner import SUCCESS
-from harness.sweep import progress, resume
+from harness.sweep import drift, progress, resume
 from harness.sweep.isolated import warm_up
 from harness.sweep.settings import (
     DEFAULT_NAME,
@@ -73,7 +73,8 @@ def open_parent_run(state: SweepState, previous: str) -> str:
     c = client(tcfg)
     exp_id = retry(lambda: experiment_id(c, tcfg), tcfg, "mlflow experiment")
     tags = {"quantbench.role": "sweep", "quantbench.sweep": state.name, "quantbench.owner": state.owner,
-            "quantbench.invocation": state.invocation, "git_commit": state.commit, "status": "RUNNING"}
+            "quantbench.invocation": state.invocation, "git_commit": state.commit, "status": "RUNNING",
+            **({"quantbench.label": state.sweep["label"]} if state.sweep.get("label") else {})}
     if previous:
         try:
             run = c.get_run(previous)
@@ -88,13 +89,19 @@ def open_parent_run(state: SweepState, previous: str) -> str:
     return run.info.run_id
 
 
-def close_parent_run(state: SweepState, status: str, summary: str, artifacts: list[Path]) -> None:
-    """Log the report files to the parent run and end it with the sweep's status (best effort)."""
+def close_parent_run(state: SweepState, status: str, summary: str, artifacts: list[Path],
+                     probe: dict | None = None) -> None:
+    """Log the report files (and the drift probe) to the parent run and end it with the sweep's status (best
+    effort)."""
     if not state.parent_run_id or not state.tcfg.enabled:
         return
     tcfg, rid = state.tcfg, state.parent_run_id
     c = client(tcfg)
     try:
+        if probe and probe.get("status") == "OK":
+            for key, val in sweeps.probe_parent_metrics(probe).items():
+                retry(lambda k=key, v=val: c.log_metric(rid, k, v), tcfg, "mlflow log_metric")
+            retry(lambda: c.set_tag(rid, sweeps.OF_TAG, probe["tags"][sweeps.OF_TAG]), tcfg, "mlflow set_tag")
         for path in artifacts:
             if path.exists():
                 retry(lambda p=path: c.log_artifact(rid, str(p)), tcfg, "mlflow log_artifact")
@@ -134,7 +141,7 @@ def start_sweep(config_with_hydra: Any) -> SweepState:
                        invocation=f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", commit=env.git_commit(),
                        owner=owner_id(), tracking=asdict(tcfg), planned=len(cells or []),
                        varying=varying_keys(cells) if cells else (), started=time.time(),
-                       code=resume.code_version())
+                       code=resume.code_version(), sweep=asdict(settings))
     if tcfg.enabled:
         try:
             stale = mark_stale(tcfg)
@@ -160,11 +167,15 @@ def start_sweep(config_with_hydra: Any) -> SweepState:
 
 
 def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
-    """Close a sweep (on_multirun_end, or an interruption): report, parent run, exit code."""
+    """Close a sweep (on_multirun_end, or an interruption): drift probe, report, parent run, exit code."""
     progress.stop()
-    _OPEN.pop("state", None)
     folder = Path(state.folder)
     cells = invocation_cells(folder, state.invocation)
+    probe = None
+    if not interrupted:  # an interruption during the probe comes back here through abort() (_OPEN still set)
+        probe = drift.run_probe(cells, sweep_baseline(cells), settings_from({"sweep": state.sweep}), folder,
+                                state.invocation)
+    _OPEN.pop("state", None)
     missing = max(0, state.planned - len(cells)) if not interrupted else 0
     counts: dict[str, int] = {}
     for c in cells:
@@ -174,13 +185,14 @@ def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
     status = "KILLED" if interrupted else ("OK" if bad == 0 and not nothing else "FAILED")
     paths: list[Path] = []
     try:
-        paths = report.write_report(folder, cells, baseline=sweep_baseline(cells), title=f"sweep {state.name}")
+        paths = report.write_report(folder, cells, baseline=sweep_baseline(cells), title=f"sweep {state.name}",
+                                    probes=[probe] if probe else [])
     except Exception as exc:  # noqa: BLE001 - a report problem must not hide the sweep's outcome
         log.error("could not write the sweep report: %s", exc)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no cells"
     if missing:
         summary += f", {missing} never reported (the job died, or could not write its result)"
-    close_parent_run(state, status, summary, paths)
+    close_parent_run(state, status, summary, paths, probe)
     _EXIT["code"] = 1 if bad or interrupted or nothing else 0
     lock = _HELD.pop("lock", None)
     if lock is not None:

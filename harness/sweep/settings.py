@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ class SweepSettings(Validated):
     resume: bool = True  # reuse cells with an OK result for the same config hash and resume key
     baseline: str = DEFAULT_BASELINE  # quantizer name the report's speed ratio compares with
     start_method: str = "forkserver"  # forkserver (warm: imports done once) | spawn (a fresh interpreter per cell)
+    drift_probe: bool = False  # rerun the baseline cell (speed only) after the last: the measured between-cell drift
+    label: str = ""  # tag `quantbench.label` of the parent run: select sweeps by it (python -m harness.report --frontier)
 
     _section = "sweep"
 
@@ -43,8 +45,9 @@ class SweepSettings(Validated):
         p: list[str] = []
         positive(p, "sweep.timeout_s", self.timeout_s)
         positive(p, "sweep.startup_timeout_s", self.startup_timeout_s)
-        if not isinstance(self.resume, bool):
-            p.append(f"sweep.resume={self.resume!r} must be true or false")
+        for key in ("resume", "drift_probe"):
+            if not isinstance(getattr(self, key), bool):
+                p.append(f"sweep.{key}={getattr(self, key)!r} must be true or false")
         if self.start_method not in START_METHODS:
             p.append(f"sweep.start_method={self.start_method!r} is not allowed; choose one of: "
                      f"{', '.join(START_METHODS)}")
@@ -76,6 +79,7 @@ class SweepState:
     varying: tuple = ()  # override keys that differ between cells (they name the cells)
     started: float = 0.0
     code: str = ""  # resume.code_version() at the sweep's start: part of every cell's resume key
+    sweep: dict = field(default_factory=dict)  # the `sweep:` settings (SweepSettings as a dict)
 
     @property
     def tcfg(self) -> TrackingConfig:

@@ -1,0 +1,344 @@
+"""The format frontier: each format's speed against its accuracy loss, with intervals; dominated formats marked;
+one recommendation line per constraint, or "cannot decide" where the intervals do not separate the candidates.
+
+Speed (x): the speedup of a cell's decode tokens/s over the sweep's baseline cell (`sweep.baseline`, the model
+as loaded: its 16-bit format). Its interval is the cell's own p10-p90 spread of per-call tokens/s, widened by
+the sweep's **measured between-cell drift** D: the largest |log(a/b)| between two cells of one configuration
+(the drift probe reruns the baseline cell after the last cell, `sweep.drift_probe`; harness/sweep/drift.py).
+Each end moves by a factor e^(D/2), so two formats' intervals separate only when
+log(p10_A / p90_B) > D: a difference no larger than what the same configuration showed between two cells of
+this sweep is never called a difference. Why this and not an interleaved pass: a cell is a fresh process, so
+what the drift probe sees (other load, clocks, memory placement between cells) is what separates any two
+cells; it costs one speed-only cell instead of loading every format again. Where no drift was measured the
+report says so: the intervals are then within-cell only.
+
+Accuracy loss (y): with tasks scored, the reference's task accuracy minus the format's, pooled over every
+example of every task (paired: the flips give it exactly), +- 1.96 paired standard errors; McNemar's pooled p
+beside its Holm-adjusted value over the formats of the sweep. Without tasks: the mean KL to the reference with
+its block-bootstrap interval (harness/analysis/intervals.py). Sweeps without an accuracy pass (random-weight
+shapes, `scaling`) get speed against weight bytes: random weights have no accuracy to lose.
+
+A format is dominated when another of the same machine and model is better on both axes beyond both
+intervals (the intervals do not overlap) and no larger in weight bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.analysis import figures, intervals
+from harness.metrics import HEADLINE
+from harness.metrics import value as _num
+
+ALPHA = 0.05  # significance level of the Holm-corrected task-accuracy test
+KL_LIMIT = 0.01  # nats: "within KL 0.01" in the recommendation lines
+
+
+@dataclass
+class Point:
+    """One format of one sweep on the frontier."""
+
+    cell: str
+    fmt: str
+    kernel: str
+    machine: str
+    group: str  # model / strategy / batch: speedups compare within a group only
+    tps: float
+    speedup: float
+    lo: float
+    hi: float
+    weight_bytes: float | None
+    loss_kind: str = ""  # "task" (accuracy points lost), "kl" (nats) or "" (no accuracy axis)
+    loss: float | None = None
+    loss_lo: float | None = None
+    loss_hi: float | None = None
+    p_raw: float | None = None
+    p_holm: float | None = None
+    kl: float | None = None
+    kl_lo: float | None = None
+    kl_hi: float | None = None
+    dominated_by: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.fmt} ({self.kernel})" if self.kernel else self.fmt
+
+
+def machine_key(tags: dict) -> str:
+    """The machine a cell ran on: the GPU's name on CUDA, else the CPU's vendor, family and model."""
+    if str(tags.get("device", "")).startswith("cuda") and tags.get("device_name"):
+        return str(tags["device_name"])
+    return f"{tags.get('cpu.vendor') or tags.get('cpu_model') or '?'} family {tags.get('cpu.family', '?')} " \
+           f"model {tags.get('cpu.model', '?')}"
+
+
+def _kernel(tags: dict) -> str:
+    if tags.get("engine") == "llama_cpp":
+        return "llama.cpp " + str(tags.get("kernel_path", "")).split("[", 1)[-1].rstrip("]")
+    kernel = tags.get("kernel.linear") or tags.get("kernel_path") or ""
+    return f"{kernel}, {tags['fast_path']}" if kernel and tags.get("fast_path") not in (None, "", "eager") else kernel
+
+
+def drift_pairs(rows: list[dict], probes: list[dict]) -> list[tuple[float, float]]:
+    """(baseline tok/s, probe tok/s) for every drift probe whose configuration has an OK cell in `rows`."""
+    speeds = {r["tags"].get("config_hash"): _num(r["metrics"], HEADLINE) for r in rows if r["status"] == "OK"}
+    out = []
+    for p in probes:
+        tags = p.get("tags") or {}
+        a, b = speeds.get(tags.get("drift_probe.of") or tags.get("config_hash")), _num(p.get("metrics") or {}, HEADLINE)
+        if a and b and p.get("status", "OK") == "OK":
+            out.append((a, b))
+    return out
+
+
+def points(rows: list[dict], baseline: str, drift: float | None) -> list[Point]:
+    """The frontier's points: one per OK cell with a speed (rows from harness.records.report.rows_for)."""
+    half = math.exp((drift or 0.0) / 2)
+    ok = [r for r in rows if r["status"] == "OK" and _num(r["metrics"], HEADLINE)]
+    base: dict[str, float] = {}
+    for r in ok:
+        if r["quantizer"] == baseline:
+            base.setdefault(_group(r), _num(r["metrics"], HEADLINE))
+    out = []
+    for r in ok:
+        m, t = r["metrics"], r["tags"]
+        tps, ref = _num(m, HEADLINE), base.get(_group(r))
+        if not ref:
+            continue  # no baseline cell for this model/strategy/batch: no speedup to draw
+        p10, p90 = _num(m, f"{HEADLINE}_p10") or tps, _num(m, f"{HEADLINE}_p90") or tps
+        pt = Point(cell=r["cell"], fmt=r["quantizer"], kernel=_kernel(t), machine=machine_key(t), group=_group(r),
+                   tps=tps, speedup=tps / ref, lo=min(p10, tps) / half / ref, hi=max(p90, tps) * half / ref,
+                   weight_bytes=_num(m, "weight_bytes"), kl=_num(m, "kl_div_mean"), kl_lo=_num(m, "kl_div_mean_lo"),
+                   kl_hi=_num(m, "kl_div_mean_hi"))
+        n, r2w, w2r = (_num(m, k) for k in ("tasks_examples", "tasks_acc_right_to_wrong", "tasks_acc_wrong_to_right"))
+        if n and r2w is not None and w2r is not None:
+            diff, se = intervals.pooled_paired(r2w, w2r, n)
+            pt.loss_kind, pt.loss = "task", -diff
+            pt.loss_lo, pt.loss_hi = -diff - intervals.Z95 * se, -diff + intervals.Z95 * se
+            pt.p_raw = _num(m, "tasks_acc_mcnemar_p")
+        elif pt.kl is not None:
+            pt.loss_kind, pt.loss = "kl", pt.kl
+            pt.loss_lo = pt.kl_lo if pt.kl_lo is not None else pt.kl  # records before the interval: a point
+            pt.loss_hi = pt.kl_hi if pt.kl_hi is not None else pt.kl
+        out.append(pt)
+    for grp in {p.group for p in out}:  # the loss axis of a group is one kind: tasks when every point has them
+        members = [p for p in out if p.group == grp]
+        if any(p.loss_kind == "task" for p in members) and not all(p.loss_kind == "task" for p in members):
+            for p in members:
+                p.loss_kind, p.loss, p.loss_lo, p.loss_hi = ("kl", p.kl, p.kl_lo, p.kl_hi) if p.kl is not None \
+                    else ("", None, None, None)
+    adjusted = intervals.holm({p.cell: p.p_raw for p in out if p.loss_kind == "task" and p.p_raw is not None})
+    for p in out:
+        p.p_holm = adjusted.get(p.cell)
+    mark_dominated(out)
+    return out
+
+
+def _group(r: dict) -> str:
+    return f"{r['tags'].get('model.name', '?')} / {r['strategy']} / batch {r['batch']}" + \
+        (f" / depth {r['depth']}" if r.get("depth") else "")
+
+
+def has_accuracy(pts: list[Point]) -> bool:
+    return any(p.loss_kind for p in pts)
+
+
+def _faster(a: Point, b: Point) -> bool:
+    """a is faster than b beyond both intervals."""
+    return a.lo > b.hi
+
+
+def _more_accurate(a: Point, b: Point) -> bool:
+    """a lost less accuracy than b beyond both intervals."""
+    return a.loss_hi is not None and b.loss_lo is not None and a.loss_hi < b.loss_lo
+
+
+def _no_larger(a: Point, b: Point) -> bool:
+    return a.weight_bytes is not None and b.weight_bytes is not None and a.weight_bytes <= b.weight_bytes
+
+
+def mark_dominated(pts: list[Point]) -> None:
+    """Fill `dominated_by`: within one machine and group, the points better on both axes beyond both intervals
+    (speed and accuracy loss; speed and weight bytes where the group has no accuracy axis) and no larger."""
+    for a in pts:
+        a.dominated_by = []
+        for b in pts:
+            if b is a or b.machine != a.machine or b.group != a.group or not _faster(b, a) or not _no_larger(b, a):
+                continue
+            if a.loss_kind and b.loss_kind == a.loss_kind:
+                if _more_accurate(b, a):
+                    a.dominated_by.append(b.cell)
+            elif not a.loss_kind and not b.loss_kind and (b.weight_bytes or 0) < (a.weight_bytes or 0):
+                a.dominated_by.append(b.cell)  # no accuracy axis: faster and strictly smaller
+
+
+# ------------------------------------------------------------------------------------------ text
+def speed_text(p: Point) -> str:
+    return f"{p.speedup:.2f}x [{p.lo:.2f}-{p.hi:.2f}]"
+
+
+def loss_text(p: Point) -> str:
+    if p.loss_kind == "task":
+        return f"{100 * p.loss:+.1f} pts [{100 * p.loss_lo:+.1f}, {100 * p.loss_hi:+.1f}]"
+    if p.loss_kind == "kl":
+        return f"KL {p.loss:.3g} [{p.loss_lo:.3g}-{p.loss_hi:.3g}]"
+    return "—"
+
+
+def _describe(p: Point) -> str:
+    parts = [f"**{p.label}**: speedup {speed_text(p)}"]
+    if p.loss_kind:
+        parts.append(("task accuracy lost " if p.loss_kind == "task" else "") + loss_text(p))
+    if p.kl is not None and p.loss_kind != "kl":
+        parts.append(f"KL {p.kl:.3g}" + (f" [{p.kl_lo:.3g}-{p.kl_hi:.3g}]" if p.kl_lo is not None else ""))
+    if p.p_raw is not None:
+        parts.append(f"McNemar p {p.p_raw:.2g} (Holm {p.p_holm:.2g})" if p.p_holm is not None else
+                     f"McNemar p {p.p_raw:.2g}")
+    if p.weight_bytes:
+        parts.append(f"{p.weight_bytes / 1e6:.1f} MB")
+    return ", ".join(parts) + f" (cell `{p.cell}`)"
+
+
+def _fastest(cands: list[Point], what: str) -> str:
+    """The fastest candidate, or "cannot decide" naming every candidate whose speed interval overlaps it."""
+    if not cands:
+        return f"{what}: no format qualifies."
+    best = max(cands, key=lambda p: p.speedup)
+    tied = [p for p in cands if p is not best and not _faster(best, p)]
+    if tied:
+        return f"{what}: **cannot decide** between " + "; ".join(_describe(p) for p in [best, *tied]) + \
+            " (their speed intervals overlap)."
+    return f"{what}: " + _describe(best) + "."
+
+
+def recommendations(pts: list[Point]) -> list[str]:
+    """One line per constraint, for one machine and group."""
+    lines = [_fastest(pts, "Fastest format")]
+    if any(p.loss_kind == "task" for p in pts):
+        ok = [p for p in pts if p.loss_kind == "task" and (p.loss <= 0 or p.p_holm is None or p.p_holm >= ALPHA)]
+        lines.append(_fastest(ok, f"Fastest format whose task accuracy is not significantly lower than the "
+                                  f"reference (McNemar, Holm-adjusted p >= {ALPHA})"))
+    if any(p.kl is not None for p in pts):
+        sure = [p for p in pts if p.kl is not None and (p.kl_hi if p.kl_hi is not None else p.kl) <= KL_LIMIT]
+        maybe = [p for p in pts if p.kl is not None and p not in sure and (p.kl_lo or p.kl) <= KL_LIMIT]
+        lines.append(_fastest(sure, f"Fastest format within KL {KL_LIMIT} (whole interval below)") +
+                     _straddle(maybe, sure, lambda p, q: p.speedup > q.speedup))
+        lines.append(_smallest(sure, maybe))
+    return lines
+
+
+def _straddle(maybe: list[Point], sure: list[Point], beats: Any) -> str:
+    """Candidates whose KL interval straddles the limit and that would win if they were within it."""
+    best = [p for p in maybe if not sure or all(beats(p, q) for q in sure)]
+    return "" if not best else " Undecided beside it, KL interval straddling the limit: " + \
+        "; ".join(_describe(p) for p in best) + "."
+
+
+def _smallest(sure: list[Point], maybe: list[Point]) -> str:
+    what = f"Smallest format within KL {KL_LIMIT}"
+    if not sure:
+        return f"{what}: **cannot decide**: " + "; ".join(_describe(p) for p in maybe) + " (KL interval " \
+            "straddles the limit)." if maybe else f"{what}: no format's KL interval lies below {KL_LIMIT}."
+    best = min(sure, key=lambda p: p.weight_bytes or math.inf)
+    smaller = [p for p in maybe if (p.weight_bytes or math.inf) < (best.weight_bytes or math.inf)]
+    if smaller:
+        return f"{what}: **cannot decide** between " + "; ".join(_describe(p) for p in [best, *smaller]) + \
+            f" (a smaller format's KL interval straddles {KL_LIMIT})."
+    return f"{what}: " + _describe(best) + "."
+
+
+def _drift_line(drift: float | None, pairs: list[tuple[float, float]]) -> str:
+    if drift is None:
+        return ("**Between-cell drift was not measured** in this sweep (no drift probe: `sweep.drift_probe=true` "
+                "reruns the baseline cell after the last one), so the speed intervals are the cells' own p10-p90 "
+                "spreads only and may be too narrow.")
+    shown = ", ".join(f"{a:.1f} then {b:.1f} tok/s" for a, b in pairs)
+    return (f"Between-cell drift: the baseline configuration ran twice ({shown}); D = max |log ratio| = "
+            f"{drift:.3f} ({100 * math.expm1(drift):.1f}%). Speed intervals are each cell's p10-p90 spread widened "
+            f"by e^(D/2) at each end, so two formats differ only by more than D.")
+
+
+def section(rows: list[dict], baseline: str, probes: list[dict] | None = None, figure: str = "frontier.png") -> str:
+    """The report's frontier section ('' for a sweep of fewer than two formats)."""
+    pairs = drift_pairs(rows, probes or [])
+    drift = intervals.log_drift(pairs)
+    pts = points(rows, baseline, drift)
+    if len({p.fmt for p in pts}) < 2:
+        return ""
+    lines = ["", "## Frontier: speed against accuracy loss", "", _drift_line(drift, pairs), ""]
+    if not has_accuracy(pts):
+        lines += ["No accuracy axis: these cells scored no accuracy (random-weight shapes have no accuracy to "
+                  "lose), so the frontier is speed against weight bytes: a format is dominated by a faster "
+                  "(beyond both intervals) and smaller one.", ""]
+    lines += [f"![frontier]({figure})", ""]
+    for (machine, grp), members in _panels(pts).items():
+        lines += [f"### {machine}: {grp}", "", table(members), "", *[f"- {x}" for x in recommendations(members)], ""]
+    return "\n".join(lines)
+
+
+def table(pts: list[Point]) -> str:
+    head = "| format (kernel) | cell | speedup [interval] | accuracy loss [95%] | McNemar p | Holm p | weight MB " \
+           "| dominated by |\n|---|---|---|---|---|---|---|---|"
+    rows = [f"| {p.label} | {p.cell} | {speed_text(p)} | {loss_text(p)} | "
+            f"{'—' if p.p_raw is None else f'{p.p_raw:.2g}'} | {'—' if p.p_holm is None else f'{p.p_holm:.2g}'} | "
+            f"{'—' if not p.weight_bytes else f'{p.weight_bytes / 1e6:.1f}'} | "
+            f"{', '.join(p.dominated_by) or '—'} |" for p in sorted(pts, key=lambda p: -p.speedup)]
+    return "\n".join([head, *rows])
+
+
+def _panels(pts: list[Point]) -> dict[tuple[str, str], list[Point]]:
+    out: dict[tuple[str, str], list[Point]] = {}
+    for p in pts:
+        out.setdefault((p.machine, p.group), []).append(p)
+    return out
+
+
+def panels(pts: list[Point]) -> dict[str, list[Point]]:
+    """Points by machine: one figure panel each (numbers from two machines never share an axis)."""
+    out: dict[str, list[Point]] = {}
+    for p in pts:
+        out.setdefault(p.machine, []).append(p)
+    return out
+
+
+def plot(pts: list[Point], path: Path, title: str) -> Path:
+    """One panel per machine: speedup (x, with its interval) against accuracy loss (y) or weight MB; point size
+    = weight bytes; dominated formats hollow and grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_machine = panels(pts)
+    fig, axes = plt.subplots(1, len(by_machine), figsize=(7.5 * len(by_machine), 5.5), dpi=110, squeeze=False)
+    for ax, (machine, members) in zip(axes[0], by_machine.items(), strict=True):
+        big = max((p.weight_bytes or 0) for p in members) or 1.0
+        for p in members:
+            y = p.loss if p.loss_kind else (p.weight_bytes or 0) / 1e6
+            yerr = [[y - p.loss_lo], [p.loss_hi - y]] if p.loss_kind and p.loss_lo is not None else None
+            color = "0.6" if p.dominated_by else None
+            ax.errorbar([p.speedup], [y], xerr=[[p.speedup - p.lo], [p.hi - p.speedup]], yerr=yerr, fmt="none",
+                        ecolor=color or "0.3", capsize=3, lw=1)
+            ax.scatter([p.speedup], [y], s=30 + 300 * (p.weight_bytes or 0) / big, zorder=3,
+                       facecolors="none" if p.dominated_by else color, edgecolors=color or "k")
+            ax.annotate(p.label + (" (dominated)" if p.dominated_by else ""), (p.speedup, y),
+                        textcoords="offset points", xytext=(6, 4), fontsize=7)
+        kind = next((p.loss_kind for p in members if p.loss_kind), "")
+        ax.set_ylabel({"task": "task accuracy lost vs reference (lower is better)",
+                       "kl": "KL to the reference, nats (lower is better)"}.get(kind, "weight MB (lower is better)"))
+        ax.set_xlabel("decode speedup over the sweep's baseline cell (higher is better)")
+        ax.set_title(machine, fontsize=9)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"{title}: format frontier (size = weight bytes; hollow = dominated)", fontsize=10)
+    return figures.save(fig, path)
+
+
+def write(folder: Path, rows: list[dict], baseline: str, title: str, probes: list[dict] | None = None) -> list[Path]:
+    """frontier.png for a sweep of two or more formats ([] otherwise)."""
+    pts = points(rows, baseline, intervals.log_drift(drift_pairs(rows, probes or [])))
+    if len({p.fmt for p in pts}) < 2:
+        return []
+    return [plot(pts, Path(folder) / "frontier.png", title)]

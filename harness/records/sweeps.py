@@ -1,0 +1,172 @@
+"""A sweep read back whole, from its folder or from MLflow (cells + drift probe), and the frontier across sweeps.
+
+    python -m harness.report --frontier --sweep quant_sweep                       # every such sweep in MLflow
+    python -m harness.report --frontier --sweep quant_sweep --sweep-ids ID,ID     # parent run ids
+    python -m harness.report --frontier --sweep quant_sweep --tag quantbench.label=lab-a
+    python -m harness.report --frontier results/quant_sweep other/quant_sweep     # sweep folders
+
+write `frontier.md` and `frontier.png`: one panel per machine (CPU vendor, family and model, or the GPU's name).
+Each sweep's points are computed against its own baseline and drift; numbers from two machines never share an
+axis, and recommendations and dominance compare formats of one sweep only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.analysis import frontier, intervals
+from harness.errors import QuantbenchError
+from harness.metrics import HEADLINE
+from harness.records.results import invocation_cells, read_json, sweep_baseline
+from harness.records.rows import rows_for
+
+DRIFT_FILE = "drift.json"  # results/<sweep>/drift.json: the drift probe (harness/sweep/drift.py)
+OF_TAG = "drift_probe.of"  # the probe's tag: the config hash of the cell it repeats
+
+
+@dataclass
+class Sweep:
+    name: str
+    cells: list[dict]
+    probes: list[dict] = field(default_factory=list)
+    source: str = ""  # the folder, or the MLflow parent run id
+
+
+def from_folder(folder: Path, all_cells: bool = False) -> Sweep:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise QuantbenchError(f"{folder} is not a sweep folder; pass results/<sweep> (run one with: "
+                              "python run.py +experiment=smoke)")
+    if all_cells:
+        cells = [json.loads(p.read_text()) for p in sorted((folder / "cells").glob("*.json"))]
+        return Sweep(folder.name, cells, stored_probes(folder), str(folder))
+    invocation = (read_json(folder / "sweep.json") or {}).get("invocation")
+    return Sweep(folder.name, invocation_cells(folder), stored_probes(folder, invocation), str(folder))
+
+
+def _client(tracking_uri: str, experiment: str):  # noqa: ANN202 - MlflowClient, imported lazily (slow)
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=tracking_uri)
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        raise QuantbenchError(f"no MLflow experiment {experiment!r} at {tracking_uri}; check --mlflow-experiment "
+                              "and --tracking-uri")
+    return c, exp.experiment_id
+
+
+def _from_parent(c, exp_id: str, parent) -> Sweep:  # noqa: ANN001 - mlflow objects
+    children = c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+                             order_by=["attributes.start_time ASC"], max_results=5000)
+    latest: dict[str, dict] = {}
+    for run in children:
+        tags = dict(run.data.tags)
+        if tags.get("superseded_by"):
+            continue
+        params = run.data.params
+        status = tags.get("status") or {"FINISHED": "OK", "KILLED": "KILLED"}.get(run.info.status, "FAILED")
+        cell = {"status": status, "metrics": dict(run.data.metrics), "tags": tags,
+                "run_name": run.info.run_name, "error": tags.get("error", ""), "mlflow_run_id": run.info.run_id,
+                "config": {"sweep": {"baseline": params.get("sweep.baseline", "")},
+                           "strategy": {"batch_size": params.get("strategy.batch_size")}}}
+        latest[tags.get("config_hash") or run.info.run_id] = cell  # ascending start: the rerun wins
+    return Sweep(parent.data.tags.get("quantbench.sweep", "sweep"), list(latest.values()),
+                 probe_from_parent(dict(parent.data.metrics), dict(parent.data.tags)), parent.info.run_id)
+
+
+def _filter(sweep: str, tag: str = "") -> str:
+    filt = "tags.`quantbench.role` = 'sweep'" + (f" and tags.`quantbench.sweep` = '{sweep}'" if sweep else "")
+    if tag:
+        if "=" not in tag:
+            raise QuantbenchError(f"--tag {tag!r}: write KEY=VALUE, e.g. --tag quantbench.label=lab-a")
+        key, val = tag.split("=", 1)
+        filt += f" and tags.`{key}` = '{val}'"
+    return filt
+
+
+def latest_from_mlflow(tracking_uri: str, experiment: str, sweep: str = "") -> Sweep:
+    """The latest sweep (or the latest of the named one) as cells + drift probe, from MLflow runs."""
+    c, exp_id = _client(tracking_uri, experiment)
+    parents = c.search_runs([exp_id], filter_string=_filter(sweep), order_by=["attributes.start_time DESC"],
+                            max_results=1)
+    if not parents:
+        raise QuantbenchError(f"no sweep run{' named ' + repr(sweep) if sweep else ''} in experiment "
+                              f"{experiment!r}; run one with: python run.py +experiment=smoke")
+    return _from_parent(c, exp_id, parents[0])
+
+
+def select_from_mlflow(tracking_uri: str, experiment: str, sweep: str, ids: list[str], tag: str) -> list[Sweep]:
+    """Sweeps named `sweep`, restricted to the parent run ids `ids` and/or the parent-run tag `tag` (KEY=VALUE)."""
+    c, exp_id = _client(tracking_uri, experiment)
+    parents = c.search_runs([exp_id], filter_string=_filter(sweep, tag), order_by=["attributes.start_time ASC"],
+                            max_results=5000)
+    if ids:
+        missing = set(ids) - {p.info.run_id for p in parents}
+        if missing:
+            raise QuantbenchError(f"no sweep {sweep!r} parent run with id(s) {', '.join(sorted(missing))} in "
+                                  f"experiment {experiment!r}" + (f" with tag {tag}" if tag else "")
+                                  + "; the ids are printed when a sweep starts (MLflow parent run ...)")
+        parents = [p for p in parents if p.info.run_id in ids]
+    if not parents:
+        raise QuantbenchError(f"no sweep {sweep!r} in experiment {experiment!r}" + (f" with tag {tag}" if tag else "")
+                              + "; run one with: python run.py +experiment=" + (sweep or "quant_sweep"))
+    return [_from_parent(c, exp_id, p) for p in parents]
+
+
+def stored_probes(folder: Path, invocation: str | None = None) -> list[dict]:
+    """The folder's drift probe (of `invocation` when given) as a list of result dicts."""
+    data = read_json(Path(folder) / DRIFT_FILE)
+    if not data or (invocation and data.get("invocation") != invocation):
+        return []
+    return [data]
+
+
+def probe_parent_metrics(probe: dict) -> dict[str, float]:
+    """What the parent MLflow run keeps of the probe (read back by probe_from_parent)."""
+    m = probe.get("metrics") or {}
+    return {f"drift_probe_{k}": float(m[k]) for k in (HEADLINE, f"{HEADLINE}_p10", f"{HEADLINE}_p90") if k in m}
+
+
+def probe_from_parent(metrics: dict, tags: dict) -> list[dict]:
+    """The probe as a result dict, from the parent run's metrics and tags ([] when it has none)."""
+    m = {k.removeprefix("drift_probe_"): v for k, v in metrics.items() if k.startswith("drift_probe_")}
+    if HEADLINE not in m or not tags.get(OF_TAG):
+        return []
+    return [{"status": "OK", "metrics": m, "tags": {OF_TAG: tags[OF_TAG]}}]
+
+
+def frontier_points(sweeps: list[Sweep]) -> list[frontier.Point]:
+    """Every sweep's points against its own baseline and drift; groups carry the sweep when there are several."""
+    out: list[frontier.Point] = []
+    for s in sweeps:
+        baseline = sweep_baseline(s.cells)
+        rows = rows_for(s.cells, baseline)
+        pts = frontier.points(rows, baseline, intervals.log_drift(frontier.drift_pairs(rows, s.probes)))
+        if len(sweeps) > 1:
+            for p in pts:
+                p.group = f"{s.name} [{s.source}]: {p.group}"
+        out += pts
+    return out
+
+
+def write_frontier(sweeps: list[Sweep], out: Path) -> list[Path]:
+    """frontier.md and frontier.png for several sweeps, one panel (and one section) per machine."""
+    pts = frontier_points(sweeps)
+    if not pts:
+        raise QuantbenchError("no OK cell with a speed and a baseline cell in the selected sweep(s): nothing to draw")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# Format frontier", "", f"{len(sweeps)} sweep(s): " + ", ".join(f"{s.name} ({s.source})" for s in sweeps)
+             + ". One panel per machine; formats are compared within one sweep only.", "", "![frontier](frontier.png)",
+             ""]
+    for machine, members in frontier.panels(pts).items():
+        lines += [f"## {machine}", ""]
+        for grp in dict.fromkeys(p.group for p in members):
+            group = [p for p in members if p.group == grp]
+            lines += [f"### {grp}", "", frontier.table(group), "",
+                      *[f"- {x}" for x in frontier.recommendations(group)], ""]
+    md = out / "frontier.md"
+    md.write_text("\n".join(lines))
+    return [md, frontier.plot(pts, out / "frontier.png", "frontier")]

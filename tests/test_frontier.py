@@ -1,0 +1,179 @@
+"""The format frontier (harness/analysis/frontier.py) on faked sweep results: dominance beyond intervals,
+"cannot decide", Holm, one panel per machine, the between-cell drift; its statistics (intervals.py); and one real
+tiny sweep whose drift probe reruns the baseline cell."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from test_sweep import run_cli
+
+from harness.analysis import frontier, intervals
+from harness.records import report, sweeps
+
+ZEN4 = {"cpu.vendor": "AuthenticAMD", "cpu.family": "25", "cpu.model": "17"}
+ZEN3 = {"cpu.vendor": "AuthenticAMD", "cpu.family": "25", "cpu.model": "1"}
+
+
+def cell(q: str, tps: float, *, spread: float = 0.01, mb: float = 100.0, kl: float | None = None,
+         kl_ci: float = 0.001, flips: tuple[int, int] | None = None, p: float | None = None, n: int = 1000,
+         machine: dict | None = None) -> dict:
+    """A cell's result dict as the sweep writes it: tok/s with its p10-p90 spread, weight bytes, KL or tasks."""
+    m = {"decode_tokens_per_s": tps, "decode_tokens_per_s_p10": tps * (1 - spread),
+         "decode_tokens_per_s_p90": tps * (1 + spread), "weight_bytes": mb * 1e6}
+    if kl is not None:
+        m.update(kl_div_mean=kl, kl_div_mean_lo=kl - kl_ci, kl_div_mean_hi=kl + kl_ci)
+    if flips is not None:
+        m.update(tasks_examples=n, tasks_acc_right_to_wrong=flips[0], tasks_acc_wrong_to_right=flips[1],
+                 tasks_acc_mcnemar_p=p)
+    return {"status": "OK", "metrics": m, "config": {"sweep": {"baseline": "none"}},
+            "tags": {"sweep.cell": f"quantizer={q}", "quantizer.name": q, "strategy.name": "Greedy",
+                     "model.name": "m", "config_hash": f"h-{q}", "kernel.linear": f"k-{q}", **(machine or ZEN4)}}
+
+
+def pts(cells: list[dict], probes: list[dict] | None = None) -> dict[str, frontier.Point]:
+    rows = report.rows_for(cells, "none")
+    d = intervals.log_drift(frontier.drift_pairs(rows, probes or []))
+    return {p.fmt: p for p in frontier.points(rows, "none", d)}
+
+
+def probe(of: str, tps: float) -> dict:
+    return {"status": "OK", "metrics": {"decode_tokens_per_s": tps}, "tags": {sweeps.OF_TAG: of}}
+
+
+def test_a_format_beaten_on_both_axes_beyond_the_intervals_is_dominated():
+    cells = [cell("none", 20.0, mb=270, kl=0.0005), cell("int8", 30.0, mb=140, kl=0.002),
+             cell("bad4", 25.0, mb=140, kl=0.20), cell("near8", 29.5, mb=140, kl=0.0021)]
+    got = pts(cells)
+    # slower and worse beyond both intervals, same size: by int8 and by near8
+    assert got["bad4"].dominated_by == ["quantizer=int8", "quantizer=near8"]
+    assert got["near8"].dominated_by == []  # inside int8's intervals on both axes: not dominated
+    assert got["none"].dominated_by == []  # more accurate than int8 beyond the intervals
+    # larger weights never dominate: the same faster, more accurate formats at 150 MB leave bad4 alone
+    cells[1]["metrics"]["weight_bytes"] = cells[3]["metrics"]["weight_bytes"] = 150e6
+    assert pts(cells)["bad4"].dominated_by == []
+    text = frontier.section(report.rows_for(cells, "none"), "none")
+    assert "| bad4 (k-bad4) |" in text and "Frontier" in text
+
+
+def test_overlapping_intervals_give_cannot_decide_and_separated_ones_a_pick():
+    cells = [cell("none", 20.0, kl=0.0005), cell("a", 30.0, spread=0.05, kl=0.004),
+             cell("b", 31.0, spread=0.05, kl=0.005)]
+    lines = frontier.recommendations(list(pts(cells).values()))
+    fastest = lines[0]
+    assert "**cannot decide**" in fastest and "**b (k-b)**" in fastest and "**a (k-a)**" in fastest
+    cells[2]["metrics"].update(decode_tokens_per_s=40.0, decode_tokens_per_s_p10=39.6, decode_tokens_per_s_p90=40.4)
+    fastest = frontier.recommendations(list(pts(cells).values()))[0]
+    assert fastest.startswith("Fastest format: **b (k-b)**") and "cannot decide" not in fastest
+    # a KL interval straddling the limit: the smallest format within KL 0.01 cannot be decided
+    cells = [cell("none", 20.0, mb=270, kl=0.0005), cell("int8", 30.0, mb=140, kl=0.004),
+             cell("int4", 35.0, mb=80, kl=0.009, kl_ci=0.003)]
+    smallest = frontier.recommendations(list(pts(cells).values()))[-1]
+    assert smallest.startswith("Smallest format within KL 0.01: **cannot decide**") and "int4" in smallest \
+        and "int8" in smallest
+
+
+def test_holm_changes_a_borderline_verdict():
+    # three formats against the reference; gptq's raw p = 0.03 is "significant" alone, not after Holm (3 x 0.03)
+    cells = [cell("none", 20.0, flips=(10, 9), p=0.9), cell("int8", 30.0, flips=(12, 10), p=0.8),
+             cell("gptq", 45.0, spread=0.01, flips=(30, 15), p=0.03)]
+    got = pts(cells)
+    assert got["gptq"].p_raw == 0.03 and got["gptq"].p_holm == pytest.approx(0.09)
+    assert intervals.holm({"a": 0.03, "b": 0.8, "c": 0.9}) == pytest.approx({"a": 0.09, "b": 1.0, "c": 1.0})
+    line = next(x for x in frontier.recommendations(list(got.values())) if "not significantly lower" in x)
+    assert "**gptq (k-gptq)**" in line  # uncorrected, p = 0.03 < 0.05 would have ruled it out
+    assert "McNemar p 0.03 (Holm 0.09)" in line
+    # the same format with p = 0.01: Holm 0.03 < 0.05, out; int8 is the fastest left
+    cells[2]["metrics"]["tasks_acc_mcnemar_p"] = 0.01
+    line = next(x for x in frontier.recommendations(list(pts(cells).values())) if "not significantly lower" in x)
+    assert "**int8 (k-int8)**" in line and "gptq" not in line
+    # the task axis: loss = reference - run accuracy, pooled over examples, +-1.96 paired SE
+    diff, se = intervals.pooled_paired(30, 15, 1000)
+    d = np.array([-1] * 30 + [1] * 15 + [0] * 955, dtype=float)
+    assert diff == pytest.approx(d.mean()) and se == pytest.approx(d.std(ddof=1) / math.sqrt(1000))
+    assert got["gptq"].loss == pytest.approx(0.015) and got["gptq"].loss_hi == pytest.approx(0.015 + 1.96 * se, 1e-3)
+
+
+def test_runs_from_two_cpus_never_share_a_panel(tmp_path, monkeypatch):
+    for name, machine, tps in (("a", ZEN4, 30.0), ("b", ZEN3, 12.0)):
+        folder = tmp_path / name
+        (folder / "cells").mkdir(parents=True)
+        for c in (cell("none", tps / 1.5, kl=0.0005, machine=machine), cell("int8", tps, kl=0.002, machine=machine)):
+            (folder / "cells" / f"{c['tags']['config_hash']}.json").write_text(json.dumps(c))
+    found = [sweeps.from_folder(tmp_path / n, all_cells=True) for n in ("a", "b")]
+    points = sweeps.frontier_points(found)
+    panels = frontier.panels(points)
+    assert sorted(panels) == ["AuthenticAMD family 25 model 1", "AuthenticAMD family 25 model 17"]
+    assert all(len({p.machine for p in members}) == 1 for members in panels.values())
+    assert report.main(["--frontier", str(tmp_path / "a"), str(tmp_path / "b"), "--all",
+                        "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "frontier.png").stat().st_size > 10_000
+    drawn = []
+    monkeypatch.setattr(frontier.figures, "save", lambda fig, path: drawn.append(fig) or path)
+    md, _ = sweeps.write_frontier(found, tmp_path / "out")
+    axes = drawn[0].axes
+    assert len(axes) == 2 and {ax.get_title() for ax in axes} == set(panels)
+    for ax in axes:  # each panel holds its own machine's two formats only
+        assert len([t for t in ax.texts if "(k-" in t.get_text()]) == 2
+    text = md.read_text()
+    assert text.count("## AuthenticAMD family 25 model") == 2
+
+
+def test_a_speed_difference_inside_the_measured_drift_is_not_a_difference():
+    cells = [cell("none", 20.0, kl=0.0005), cell("int8", 23.0, kl=0.0006)]  # 1.15x, tight within-cell spreads
+    without = pts(cells)
+    assert without["int8"].lo > without["none"].hi  # no drift measured: 1.15x looks real
+    assert "drift was not measured" in frontier.section(report.rows_for(cells, "none"), "none")
+    with_drift = pts(cells, [probe("h-none", 25.0)])  # the baseline's rerun ran 1.25x faster than its cell
+    assert not with_drift["int8"].lo > with_drift["none"].hi
+    assert "cannot decide" in frontier.recommendations(list(with_drift.values()))[0]
+    # a difference beyond the drift still separates
+    cells[1]["metrics"].update(decode_tokens_per_s=30.0, decode_tokens_per_s_p10=29.7, decode_tokens_per_s_p90=30.3)
+    beyond = pts(cells, [probe("h-none", 25.0)])
+    assert beyond["int8"].lo > beyond["none"].hi
+    text = frontier.section(report.rows_for(cells, "none"), "none", [probe("h-none", 25.0)])
+    assert "D = max |log ratio| = 0.223 (25.0%)" in text
+
+
+def test_block_bootstrap_is_wider_on_correlated_series():
+    rng = np.random.default_rng(1)
+    iid = rng.exponential(size=4096)
+    runs = np.repeat(rng.exponential(size=128), 32)  # 32 equal neighbours: like KL along one context
+    lo, hi = intervals.block_bootstrap_mean(iid)
+    assert lo < iid.mean() < hi
+    lo1, hi1 = intervals.block_bootstrap_mean(runs, block=1)
+    lo32, hi32 = intervals.block_bootstrap_mean(runs, block=32)
+    assert (hi32 - lo32) > 3 * (hi1 - lo1)  # treating correlated tokens as independent is ~sqrt(32) too narrow
+    assert intervals.block_bootstrap_mean(runs, block=32) == intervals.block_bootstrap_mean(runs, block=32)
+
+
+def test_scaling_sweeps_get_speed_against_weight_bytes():
+    cells = [cell("none", 10.0, mb=2000), cell("int8", 18.0, mb=1000), cell("slow", 9.0, mb=1500)]
+    got = pts(cells)
+    assert not frontier.has_accuracy(list(got.values()))
+    assert got["slow"].dominated_by == ["quantizer=int8"]
+    assert "No accuracy axis" in frontier.section(report.rows_for(cells, "none"), "none")
+
+
+def test_drift_probe_reruns_the_baseline_cell_in_a_real_sweep(tmp_path):
+    done = run_cli(["name=dp", "quantizer=fp32,bf16", "sweep.baseline=fp32", "sweep.drift_probe=true",
+                    "sweep.label=lab-a"], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "drift probe: [OK]" in done.stdout
+    probed = json.loads((tmp_path / "dp" / sweeps.DRIFT_FILE).read_text())
+    cells = {c["tags"]["quantizer.name"]: c for c in sweeps.from_folder(tmp_path / "dp").cells}
+    assert probed["tags"][sweeps.OF_TAG] == cells["fp32"]["tags"]["config_hash"]
+    assert probed["metrics"]["decode_tokens_per_s"] > 0 and "kl_div_mean" not in probed["metrics"]
+    text = (tmp_path / "dp" / "report.md").read_text()
+    assert "Between-cell drift: the baseline configuration ran twice" in text and "No accuracy axis" in text
+    assert (tmp_path / "dp" / "frontier.png").exists()
+    # the parent MLflow run keeps the probe: the frontier from MLflow, selected by the label, sees the same drift
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    found = sweeps.select_from_mlflow(uri, "drill", "dp", [], "quantbench.label=lab-a")
+    assert len(found) == 1 and found[0].probes[0]["metrics"]["decode_tokens_per_s"] == pytest.approx(
+        probed["metrics"]["decode_tokens_per_s"])
+    assert report.main(["--frontier", "--sweep", "dp", "--mlflow-experiment", "drill", "--tracking-uri", uri,
+                        "--tag", "quantbench.label=lab-b", "--out", str(tmp_path / "none")]) == 2
