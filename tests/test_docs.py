@@ -422,6 +422,18 @@ def test_documented_command_runs(cmd: DocCommand, work: Path, baselines: Path, r
             assert proc.returncode in (0, 1) and "quantbench gate:" in proc.stdout, \
                 proc.stdout[-3000:] + proc.stderr[-3000:]
             return
+        if module in ("harness.report", "harness.records.report") and "--frontier" in args and "--sweep" in args:
+            # the frontier of the named sweep in MLflow: that sweep, narrowed to two formats on the tiny model
+            name = args[args.index("--sweep") + 1]
+            tag = args[args.index("--tag") + 1] if "--tag" in args else ""
+            label = [f"sweep.label={tag.split('=', 1)[1]}"] if tag.startswith("quantbench.label=") else []
+            made = _run(run_py(["python", "run.py", "-m", "model=tiny_random", "quantizer=none,bf16", f"name={name}",
+                                *label], work))
+            assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+            proc = _run(_python([*args, "--tracking-uri", f"sqlite:///{work}/mlflow.db", "--out", f"{work}/frontier"]))
+            assert proc.returncode == 0 and (work / "frontier" / "frontier.png").is_file(), \
+                proc.stdout[-3000:] + proc.stderr[-3000:]
+            return
         if module in ("harness.report", "harness.records.report") and "--mlflow-experiment" in args:
             made = _run(run_py(["python", "run.py", "+experiment=smoke"], work))  # a sweep in MLflow to report on
             assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]

@@ -61,6 +61,7 @@ class Point:
     kl_lo: float | None = None
     kl_hi: float | None = None
     dominated_by: list[str] = field(default_factory=list)
+    dominated_by_kl: list[str] = field(default_factory=list)  # by KL instead of task accuracy (task sweeps only)
 
     @property
     def label(self) -> str:
@@ -116,8 +117,8 @@ def points(rows: list[dict], baseline: str, drift: float | None) -> list[Point]:
         n, r2w, w2r = (_num(m, k) for k in ("tasks_examples", "tasks_acc_right_to_wrong", "tasks_acc_wrong_to_right"))
         if n and r2w is not None and w2r is not None:
             diff, se = intervals.pooled_paired(r2w, w2r, n)
-            pt.loss_kind, pt.loss = "task", -diff
-            pt.loss_lo, pt.loss_hi = -diff - intervals.Z95 * se, -diff + intervals.Z95 * se
+            pt.loss_kind, pt.loss = "task", 0.0 - diff  # 0.0 - : no "-0.0" for a format that changed nothing
+            pt.loss_lo, pt.loss_hi = pt.loss - intervals.Z95 * se, pt.loss + intervals.Z95 * se
             pt.p_raw = _num(m, "tasks_acc_mcnemar_p")
         elif pt.kl is not None:
             pt.loss_kind, pt.loss = "kl", pt.kl
@@ -173,6 +174,15 @@ def mark_dominated(pts: list[Point]) -> None:
                     a.dominated_by.append(b.cell)
             elif not a.loss_kind and not b.loss_kind and (b.weight_bytes or 0) < (a.weight_bytes or 0):
                 a.dominated_by.append(b.cell)  # no accuracy axis: faster and strictly smaller
+        a.dominated_by_kl = [b.cell for b in pts if b is not a and b.machine == a.machine and b.group == a.group
+                             and a.loss_kind == "task" and _faster(b, a) and _no_larger(b, a) and _kl_better(b, a)]
+
+
+def _kl_better(a: Point, b: Point) -> bool:
+    """a's KL is below b's beyond both intervals (the second reading where the y axis is task accuracy)."""
+    if a.kl is None or b.kl is None:
+        return False
+    return (a.kl_hi if a.kl_hi is not None else a.kl) < (b.kl_lo if b.kl_lo is not None else b.kl)
 
 
 # ------------------------------------------------------------------------------------------ text
@@ -202,6 +212,11 @@ def _describe(p: Point) -> str:
     return ", ".join(parts) + f" (cell `{p.cell}`)"
 
 
+def _brief(p: Point) -> str:
+    kl = f", KL {p.kl:.3g}" if p.kl is not None and p.loss_kind != "kl" else ""
+    return f"**{p.label}** {speed_text(p)}" + (f", {loss_text(p)}" if p.loss_kind else "") + kl + f" (`{p.cell}`)"
+
+
 def _fastest(cands: list[Point], what: str) -> str:
     """The fastest candidate, or "cannot decide" naming every candidate whose speed interval overlaps it."""
     if not cands:
@@ -209,7 +224,7 @@ def _fastest(cands: list[Point], what: str) -> str:
     best = max(cands, key=lambda p: p.speedup)
     tied = [p for p in cands if p is not best and not _faster(best, p)]
     if tied:
-        return f"{what}: **cannot decide** between " + "; ".join(_describe(p) for p in [best, *tied]) + \
+        return f"{what}: **cannot decide** between " + "; ".join(_brief(p) for p in [best, *tied]) + \
             " (their speed intervals overlap)."
     return f"{what}: " + _describe(best) + "."
 
@@ -280,13 +295,21 @@ def section(rows: list[dict], baseline: str, probes: list[dict] | None = None, f
 
 
 def table(pts: list[Point]) -> str:
+    tasks = any(p.loss_kind == "task" for p in pts)
     head = "| format (kernel) | cell | speedup [interval] | accuracy loss [95%] | McNemar p | Holm p | weight MB " \
-           "| dominated by |\n|---|---|---|---|---|---|---|---|"
+           "| dominated by |" + (" KL [95%] | dominated by, reading KL |" if tasks else "")
     rows = [f"| {p.label} | {p.cell} | {speed_text(p)} | {loss_text(p)} | "
             f"{'—' if p.p_raw is None else f'{p.p_raw:.2g}'} | {'—' if p.p_holm is None else f'{p.p_holm:.2g}'} | "
-            f"{'—' if not p.weight_bytes else f'{p.weight_bytes / 1e6:.1f}'} | "
-            f"{', '.join(p.dominated_by) or '—'} |" for p in sorted(pts, key=lambda p: -p.speedup)]
-    return "\n".join([head, *rows])
+            f"{'—' if not p.weight_bytes else f'{p.weight_bytes / 1e6:.1f}'} | {', '.join(p.dominated_by) or '—'} |"
+            + (f" {_kl_text(p)} | {', '.join(p.dominated_by_kl) or '—'} |" if tasks else "")
+            for p in sorted(pts, key=lambda p: -p.speedup)]
+    return "\n".join([head, "|" + "---|" * head.count(" | ") + "---|", *rows])
+
+
+def _kl_text(p: Point) -> str:
+    if p.kl is None:
+        return "—"
+    return f"{p.kl:.3g}" + (f" [{p.kl_lo:.3g}-{p.kl_hi:.3g}]" if p.kl_lo is not None else "")
 
 
 def _panels(pts: list[Point]) -> dict[tuple[str, str], list[Point]]:
@@ -304,34 +327,56 @@ def panels(pts: list[Point]) -> dict[str, list[Point]]:
     return out
 
 
+def _y(p: Point, kind: str) -> tuple[float, list | None, list[str]]:
+    """A point's y, its error bar and who dominates it, on the `kind` axis (task, kl or weight)."""
+    if kind == "task" or (kind == "kl" and p.loss_kind == "kl"):
+        return p.loss, [[p.loss - p.loss_lo], [p.loss_hi - p.loss]], p.dominated_by
+    if kind == "kl":
+        lo, hi = (p.kl_lo if p.kl_lo is not None else p.kl), (p.kl_hi if p.kl_hi is not None else p.kl)
+        return p.kl, [[p.kl - lo], [hi - p.kl]], p.dominated_by_kl
+    return (p.weight_bytes or 0) / 1e6, None, p.dominated_by
+
+
+YLABEL = {"task": "task accuracy lost vs reference (lower is better)",
+          "kl": "KL to the reference, nats (lower is better)", "weight": "weight MB (lower is better)"}
+
+
 def plot(pts: list[Point], path: Path, title: str) -> Path:
-    """One panel per machine: speedup (x, with its interval) against accuracy loss (y) or weight MB; point size
-    = weight bytes; dominated formats hollow and grey."""
+    """One column of panels per machine: speedup (x, with its interval) against accuracy loss (y: task accuracy,
+    and KL in a second row when tasks were scored) or weight MB; point size = weight bytes; dominated formats
+    hollow and grey."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     by_machine = panels(pts)
-    fig, axes = plt.subplots(1, len(by_machine), figsize=(7.5 * len(by_machine), 5.5), dpi=110, squeeze=False)
-    for ax, (machine, members) in zip(axes[0], by_machine.items(), strict=True):
+    kinds = ["task", "kl"] if any(p.loss_kind == "task" for p in pts) else \
+        ["kl" if any(p.loss_kind == "kl" for p in pts) else "weight"]
+    fig, axes = plt.subplots(len(kinds), len(by_machine), figsize=(9 * len(by_machine), 6 * len(kinds)), dpi=100,
+                             squeeze=False)
+    for col, (machine, members) in enumerate(by_machine.items()):
         big = max((p.weight_bytes or 0) for p in members) or 1.0
-        for p in members:
-            y = p.loss if p.loss_kind else (p.weight_bytes or 0) / 1e6
-            yerr = [[y - p.loss_lo], [p.loss_hi - y]] if p.loss_kind and p.loss_lo is not None else None
-            color = "0.6" if p.dominated_by else None
-            ax.errorbar([p.speedup], [y], xerr=[[p.speedup - p.lo], [p.hi - p.speedup]], yerr=yerr, fmt="none",
-                        ecolor=color or "0.3", capsize=3, lw=1)
-            ax.scatter([p.speedup], [y], s=30 + 300 * (p.weight_bytes or 0) / big, zorder=3,
-                       facecolors="none" if p.dominated_by else color, edgecolors=color or "k")
-            ax.annotate(p.label + (" (dominated)" if p.dominated_by else ""), (p.speedup, y),
-                        textcoords="offset points", xytext=(6, 4), fontsize=7)
-        kind = next((p.loss_kind for p in members if p.loss_kind), "")
-        ax.set_ylabel({"task": "task accuracy lost vs reference (lower is better)",
-                       "kl": "KL to the reference, nats (lower is better)"}.get(kind, "weight MB (lower is better)"))
-        ax.set_xlabel("decode speedup over the sweep's baseline cell (higher is better)")
-        ax.set_title(machine, fontsize=9)
-        ax.grid(True, alpha=0.3)
+        for row, kind in enumerate(kinds):
+            ax = axes[row][col]
+            for p in [q for q in members if kind == "weight" or q.loss_kind or q.kl is not None]:
+                y, yerr, beaten = _y(p, kind)
+                if y is None:
+                    continue
+                color = "0.6" if beaten else None
+                ax.errorbar([p.speedup], [y], xerr=[[p.speedup - p.lo], [p.hi - p.speedup]], yerr=yerr, fmt="none",
+                            ecolor=color or "0.3", capsize=3, lw=1)
+                ax.scatter([p.speedup], [y], s=30 + 300 * (p.weight_bytes or 0) / big, zorder=3,
+                           facecolors="none" if beaten else color, edgecolors=color or "k")
+                short = p.label.replace("aten::", "").replace("bitsandbytes::", "")
+                ax.annotate(short + (" (dominated)" if beaten else ""), (p.speedup, y), textcoords="offset points",
+                            xytext=(6, 4), fontsize=6.5)
+            if kind == "kl":
+                ax.set_yscale("symlog", linthresh=1e-4)
+            ax.set_ylabel(YLABEL[kind])
+            ax.set_xlabel("decode speedup over the sweep's baseline cell (higher is better)")
+            ax.set_title(machine if row == 0 else f"{machine}: the same formats by KL", fontsize=9)
+            ax.grid(True, alpha=0.3)
     fig.suptitle(f"{title}: format frontier (size = weight bytes; hollow = dominated)", fontsize=10)
     return figures.save(fig, path)
 
