@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_sweep import run_cli
 
-from harness.analysis import frontier, intervals
+from harness.analysis import frontier, frontier_plot, intervals
 from harness.records import report, sweeps
 
 ZEN4 = {"cpu.vendor": "AuthenticAMD", "cpu.family": "25", "cpu.model": "17"}
@@ -35,9 +35,7 @@ def cell(q: str, tps: float, *, spread: float = 0.01, mb: float = 100.0, kl: flo
 
 
 def pts(cells: list[dict], probes: list[dict] | None = None) -> dict[str, frontier.Point]:
-    rows = report.rows_for(cells, "none")
-    d = intervals.log_drift(frontier.drift_pairs(rows, probes or []))
-    return {p.fmt: p for p in frontier.points(rows, "none", d)}
+    return {p.fmt: p for p in frontier.points(report.rows_for(cells, "none"), "none", probes)}
 
 
 def probe(of: str, tps: float) -> dict:
@@ -112,7 +110,7 @@ def test_runs_from_two_cpus_never_share_a_panel(tmp_path, monkeypatch):
                         "--out", str(tmp_path / "cli")]) == 0
     assert (tmp_path / "cli" / "frontier.png").stat().st_size > 10_000
     drawn = []
-    monkeypatch.setattr(frontier.figures, "save", lambda fig, path: drawn.append(fig) or path)
+    monkeypatch.setattr(frontier_plot.figures, "save", lambda fig, path: drawn.append(fig) or path)
     md, _ = sweeps.write_frontier(found, tmp_path / "out")
     axes = drawn[0].axes
     assert len(axes) == 2 and {ax.get_title() for ax in axes} == set(panels)
@@ -130,12 +128,24 @@ def test_a_speed_difference_inside_the_measured_drift_is_not_a_difference():
     with_drift = pts(cells, [probe("h-none", 25.0)])  # the baseline's rerun ran 1.25x faster than its cell
     assert not with_drift["int8"].lo > with_drift["none"].hi
     assert "cannot decide" in frontier.recommendations(list(with_drift.values()))[0]
-    # a difference beyond the drift still separates
-    cells[1]["metrics"].update(decode_tokens_per_s=30.0, decode_tokens_per_s_p10=29.7, decode_tokens_per_s_p90=30.3)
+    # a difference beyond the drift (and both runs of the baseline) still separates
+    cells[1]["metrics"].update(decode_tokens_per_s=40.0, decode_tokens_per_s_p10=39.6, decode_tokens_per_s_p90=40.4)
     beyond = pts(cells, [probe("h-none", 25.0)])
     assert beyond["int8"].lo > beyond["none"].hi
+    assert beyond["none"].tps == pytest.approx(math.sqrt(20.0 * 25.0))  # a cell that ran twice: the geometric mean
     text = frontier.section(report.rows_for(cells, "none"), "none", [probe("h-none", 25.0)])
-    assert "D = max |log ratio| = 0.223 (25.0%)" in text
+    assert "D = max |log ratio| = 0.223 (25.0%, `quantizer=none`: 20.0 then 25.0 tok/s)" in text
+
+
+def test_the_drift_of_any_format_widens_every_interval():
+    # b's process was 1.38x luckier the second time; the baseline's rerun alone (drift_probe=baseline) misses it
+    cells = [cell("none", 20.0, kl=0.0005), cell("a", 30.0, kl=0.002), cell("b", 26.0, kl=0.002)]
+    base_only = pts(cells, [probe("h-none", 20.2)])
+    assert base_only["a"].lo > base_only["b"].hi  # a "faster than b": the drift of b's own runs was never seen
+    every = pts(cells, [probe("h-none", 20.2), probe("h-a", 30.3), probe("h-b", 36.0)])
+    assert not every["a"].lo > every["b"].hi and not every["b"].lo > every["a"].hi  # cannot decide a vs b
+    assert every["a"].lo > every["none"].hi  # 1.5x over the baseline is still beyond a 1.38x drift
+    assert intervals.log_drift([(26.0, 36.0), (30.0, 30.3)]) == pytest.approx(math.log(36 / 26))
 
 
 def test_block_bootstrap_is_wider_on_correlated_series():
@@ -158,22 +168,25 @@ def test_scaling_sweeps_get_speed_against_weight_bytes():
     assert "No accuracy axis" in frontier.section(report.rows_for(cells, "none"), "none")
 
 
-def test_drift_probe_reruns_the_baseline_cell_in_a_real_sweep(tmp_path):
-    done = run_cli(["name=dp", "quantizer=fp32,bf16", "sweep.baseline=fp32", "sweep.drift_probe=true",
+def test_drift_probe_reruns_every_cell_last_first_in_a_real_sweep(tmp_path):
+    done = run_cli(["name=dp", "quantizer=fp32,bf16", "sweep.baseline=fp32", "sweep.drift_probe=all",
                     "sweep.label=lab-a"], tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "drift probe: [OK]" in done.stdout
-    probed = json.loads((tmp_path / "dp" / sweeps.DRIFT_FILE).read_text())
+    assert "drift probe (all): 2 cell(s) again" in done.stdout
+    probed = json.loads((tmp_path / "dp" / sweeps.DRIFT_FILE).read_text())["probes"]
     cells = {c["tags"]["quantizer.name"]: c for c in sweeps.from_folder(tmp_path / "dp").cells}
-    assert probed["tags"][sweeps.OF_TAG] == cells["fp32"]["tags"]["config_hash"]
-    assert probed["metrics"]["decode_tokens_per_s"] > 0 and "kl_div_mean" not in probed["metrics"]
+    # last first: bf16 (the last cell) ran again before fp32, each a speed-only rerun of its own cell
+    assert [p["tags"][sweeps.OF_TAG] for p in probed] == [cells[q]["tags"]["config_hash"] for q in ("bf16", "fp32")]
+    assert all(p["status"] == "OK" and p["metrics"]["decode_tokens_per_s"] > 0 for p in probed)
+    assert "kl_div_mean" not in probed[0]["metrics"] and probed[0]["tags"]["quantizer.name"] == "bf16"
     text = (tmp_path / "dp" / "report.md").read_text()
-    assert "Between-cell drift: the baseline configuration ran twice" in text and "No accuracy axis" in text
+    assert "Between-cell drift: 2 cells ran again" in text and "No accuracy axis" in text
     assert (tmp_path / "dp" / "frontier.png").exists()
-    # the parent MLflow run keeps the probe: the frontier from MLflow, selected by the label, sees the same drift
+    # the parent MLflow run keeps the probes: the frontier from MLflow, selected by the label, sees the same drift
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     found = sweeps.select_from_mlflow(uri, "drill", "dp", [], "quantbench.label=lab-a")
-    assert len(found) == 1 and found[0].probes[0]["metrics"]["decode_tokens_per_s"] == pytest.approx(
-        probed["metrics"]["decode_tokens_per_s"])
+    assert len(found) == 1
+    assert {p["tags"][sweeps.OF_TAG]: p["metrics"]["decode_tokens_per_s"] for p in found[0].probes} == pytest.approx(
+        {p["tags"][sweeps.OF_TAG]: p["metrics"]["decode_tokens_per_s"] for p in probed})
     assert report.main(["--frontier", "--sweep", "dp", "--mlflow-experiment", "drill", "--tracking-uri", uri,
                         "--tag", "quantbench.label=lab-b", "--out", str(tmp_path / "none")]) == 2

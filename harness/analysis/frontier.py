@@ -3,14 +3,16 @@ one recommendation line per constraint, or "cannot decide" where the intervals d
 
 Speed (x): the speedup of a cell's decode tokens/s over the sweep's baseline cell (`sweep.baseline`, the model
 as loaded: its 16-bit format). Its interval is the cell's own p10-p90 spread of per-call tokens/s, widened by
-the sweep's **measured between-cell drift** D: the largest |log(a/b)| between two cells of one configuration
-(the drift probe reruns the baseline cell after the last cell, `sweep.drift_probe`; harness/sweep/drift.py).
-Each end moves by a factor e^(D/2), so two formats' intervals separate only when
-log(p10_A / p90_B) > D: a difference no larger than what the same configuration showed between two cells of
-this sweep is never called a difference. Why this and not an interleaved pass: a cell is a fresh process, so
-what the drift probe sees (other load, clocks, memory placement between cells) is what separates any two
-cells; it costs one speed-only cell instead of loading every format again. Where no drift was measured the
-report says so: the intervals are then within-cell only.
+the sweep's **measured between-cell drift** D: the largest |log(a/b)| between two runs of one configuration in
+two cells. The drift probe (`sweep.drift_probe=all`, harness/sweep/drift.py) runs every cell again, speed only,
+after the last one and in reverse order (A B C ... C B A); a cell that ran twice is drawn at the geometric mean
+of its runs, with the union of their spreads. Each end moves by a factor e^(D/2), so two formats' intervals
+separate only when log(low_A / high_B) > D: a difference no larger than one configuration showed between two of
+its cells in this sweep is never called a difference. Why this and not a block-interleaved pass like the gate's:
+a cell is a fresh process, and what separates two of them (other load, clocks, where memory landed, how lucky
+one format's process was) is what the rerun of each format sees; it needs no memory for every format at once
+(an 8B sweep could not hold them), and the reverse order cancels a drift that grows through the sweep. Where
+no drift was measured the report says so: the intervals are then within-cell only.
 
 Accuracy loss (y): with tasks scored, the reference's task accuracy minus the format's, pooled over every
 example of every task (paired: the flips give it exactly), +- 1.96 paired standard errors; McNemar's pooled p
@@ -26,10 +28,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from harness.analysis import figures, intervals
+from harness.analysis import intervals
 from harness.metrics import HEADLINE
 from harness.metrics import value as _num
 
@@ -83,35 +84,58 @@ def _kernel(tags: dict) -> str:
     return f"{kernel}, {tags['fast_path']}" if kernel and tags.get("fast_path") not in (None, "", "eager") else kernel
 
 
-def drift_pairs(rows: list[dict], probes: list[dict]) -> list[tuple[float, float]]:
-    """(baseline tok/s, probe tok/s) for every drift probe whose configuration has an OK cell in `rows`."""
-    speeds = {r["tags"].get("config_hash"): _num(r["metrics"], HEADLINE) for r in rows if r["status"] == "OK"}
-    out = []
+def replicates(rows: list[dict], probes: list[dict]) -> dict[str, dict]:
+    """config hash -> the OK probe's metrics, for every probe that repeats an OK cell of `rows`."""
+    ok = {r["tags"].get("config_hash") for r in rows if r["status"] == "OK" and _num(r["metrics"], HEADLINE)}
+    out = {}
     for p in probes:
-        tags = p.get("tags") or {}
-        a, b = speeds.get(tags.get("drift_probe.of") or tags.get("config_hash")), _num(p.get("metrics") or {}, HEADLINE)
-        if a and b and p.get("status", "OK") == "OK":
-            out.append((a, b))
+        of = (p.get("tags") or {}).get("drift_probe.of")
+        if of in ok and p.get("status", "OK") == "OK" and _num(p.get("metrics") or {}, HEADLINE):
+            out[of] = p["metrics"]
     return out
 
 
-def points(rows: list[dict], baseline: str, drift: float | None) -> list[Point]:
-    """The frontier's points: one per OK cell with a speed (rows from harness.records.report.rows_for)."""
-    half = math.exp((drift or 0.0) / 2)
+def drift_pairs(rows: list[dict], probes: list[dict]) -> list[tuple[str, float, float]]:
+    """(cell, its tok/s, its probe's tok/s) for every probe that repeats an OK cell of `rows`."""
+    again = replicates(rows, probes)
+    return [(r["cell"], _num(r["metrics"], HEADLINE), _num(again[h], HEADLINE)) for r in rows
+            if (h := r["tags"].get("config_hash")) in again and r["status"] == "OK"]
+
+
+def drift_of(rows: list[dict], probes: list[dict]) -> float | None:
+    """D: the largest |log ratio| of a cell's two runs (None when no cell ran twice)."""
+    return intervals.log_drift([(a, b) for _, a, b in drift_pairs(rows, probes)])
+
+
+def _speed(m: dict, again: dict | None) -> tuple[float, float, float]:
+    """(tok/s, low, high) of a cell: with a probe, the geometric mean of its two runs and the union of their
+    p10-p90 spreads (a drift that grows through the sweep cancels in the mean of A ... A)."""
+    runs = [m] if again is None else [m, again]
+    tps = [_num(x, HEADLINE) for x in runs]
+    lows = [_num(x, f"{HEADLINE}_p10") or v for x, v in zip(runs, tps, strict=True)]
+    highs = [_num(x, f"{HEADLINE}_p90") or v for x, v in zip(runs, tps, strict=True)]
+    mid = math.exp(sum(math.log(v) for v in tps) / len(tps))
+    return mid, min(*lows, mid), max(*highs, mid)
+
+
+def points(rows: list[dict], baseline: str, probes: list[dict] | None = None) -> list[Point]:
+    """The frontier's points: one per OK cell with a speed (rows from harness.records.rows.rows_for), its speed
+    merged with its drift probe's where it ran again."""
+    again = replicates(rows, probes or [])
+    half = math.exp((drift_of(rows, probes or []) or 0.0) / 2)
     ok = [r for r in rows if r["status"] == "OK" and _num(r["metrics"], HEADLINE)]
     base: dict[str, float] = {}
     for r in ok:
         if r["quantizer"] == baseline:
-            base.setdefault(_group(r), _num(r["metrics"], HEADLINE))
+            base.setdefault(_group(r), _speed(r["metrics"], again.get(r["tags"].get("config_hash")))[0])
     out = []
     for r in ok:
         m, t = r["metrics"], r["tags"]
-        tps, ref = _num(m, HEADLINE), base.get(_group(r))
+        (tps, p10, p90), ref = _speed(m, again.get(t.get("config_hash"))), base.get(_group(r))
         if not ref:
             continue  # no baseline cell for this model/strategy/batch: no speedup to draw
-        p10, p90 = _num(m, f"{HEADLINE}_p10") or tps, _num(m, f"{HEADLINE}_p90") or tps
         pt = Point(cell=r["cell"], fmt=r["quantizer"], kernel=_kernel(t), machine=machine_key(t), group=_group(r),
-                   tps=tps, speedup=tps / ref, lo=min(p10, tps) / half / ref, hi=max(p90, tps) * half / ref,
+                   tps=tps, speedup=tps / ref, lo=p10 / half / ref, hi=p90 * half / ref,
                    weight_bytes=_num(m, "weight_bytes"), kl=_num(m, "kl_div_mean"), kl_lo=_num(m, "kl_div_mean_lo"),
                    kl_hi=_num(m, "kl_div_mean_hi"))
         n, r2w, w2r = (_num(m, k) for k in ("tasks_examples", "tasks_acc_right_to_wrong", "tasks_acc_wrong_to_right"))
@@ -265,25 +289,27 @@ def _smallest(sure: list[Point], maybe: list[Point]) -> str:
     return f"{what}: " + _describe(best) + "."
 
 
-def _drift_line(drift: float | None, pairs: list[tuple[float, float]]) -> str:
-    if drift is None:
-        return ("**Between-cell drift was not measured** in this sweep (no drift probe: `sweep.drift_probe=true` "
-                "reruns the baseline cell after the last one), so the speed intervals are the cells' own p10-p90 "
-                "spreads only and may be too narrow.")
-    shown = ", ".join(f"{a:.1f} then {b:.1f} tok/s" for a, b in pairs)
-    return (f"Between-cell drift: the baseline configuration ran twice ({shown}); D = max |log ratio| = "
-            f"{drift:.3f} ({100 * math.expm1(drift):.1f}%). Speed intervals are each cell's p10-p90 spread widened "
-            f"by e^(D/2) at each end, so two formats differ only by more than D.")
+def _drift_line(pairs: list[tuple[str, float, float]]) -> str:
+    if not pairs:
+        return ("**Between-cell drift was not measured** in this sweep (no drift probe: `sweep.drift_probe=all` runs "
+                "every cell again after the last one), so the speed intervals are the cells' own p10-p90 spreads "
+                "only and may be too narrow.")
+    logs = sorted(((abs(math.log(a / b)), c, a, b) for c, a, b in pairs), reverse=True)
+    d, cell, a, b = logs[0]
+    who = "the baseline cell" if len(pairs) == 1 else f"{len(pairs)} cells"
+    return (f"Between-cell drift: {who} ran again, speed only, after the last cell (last first). D = max |log "
+            f"ratio| = {d:.3f} ({100 * math.expm1(d):.1f}%, `{cell}`: {a:.1f} then {b:.1f} tok/s); median "
+            f"{logs[len(logs) // 2][0]:.3f}. A cell that ran twice is drawn at the geometric mean of its runs; its "
+            f"speed interval spans both runs' p10-p90 spreads, each end widened by e^(D/2), so two formats differ "
+            f"only by more than D.")
 
 
 def section(rows: list[dict], baseline: str, probes: list[dict] | None = None, figure: str = "frontier.png") -> str:
     """The report's frontier section ('' for a sweep of fewer than two formats)."""
-    pairs = drift_pairs(rows, probes or [])
-    drift = intervals.log_drift(pairs)
-    pts = points(rows, baseline, drift)
+    pts = points(rows, baseline, probes)
     if len({p.fmt for p in pts}) < 2:
         return ""
-    lines = ["", "## Frontier: speed against accuracy loss", "", _drift_line(drift, pairs), ""]
+    lines = ["", "## Frontier: speed against accuracy loss", "", _drift_line(drift_pairs(rows, probes or [])), ""]
     if not has_accuracy(pts):
         lines += ["No accuracy axis: these cells scored no accuracy (random-weight shapes have no accuracy to "
                   "lose), so the frontier is speed against weight bytes: a format is dominated by a faster "
@@ -325,65 +351,3 @@ def panels(pts: list[Point]) -> dict[str, list[Point]]:
     for p in pts:
         out.setdefault(p.machine, []).append(p)
     return out
-
-
-def _y(p: Point, kind: str) -> tuple[float, list | None, list[str]]:
-    """A point's y, its error bar and who dominates it, on the `kind` axis (task, kl or weight)."""
-    if kind == "task" or (kind == "kl" and p.loss_kind == "kl"):
-        return p.loss, [[p.loss - p.loss_lo], [p.loss_hi - p.loss]], p.dominated_by
-    if kind == "kl":
-        lo, hi = (p.kl_lo if p.kl_lo is not None else p.kl), (p.kl_hi if p.kl_hi is not None else p.kl)
-        return p.kl, [[p.kl - lo], [hi - p.kl]], p.dominated_by_kl
-    return (p.weight_bytes or 0) / 1e6, None, p.dominated_by
-
-
-YLABEL = {"task": "task accuracy lost vs reference (lower is better)",
-          "kl": "KL to the reference, nats (lower is better)", "weight": "weight MB (lower is better)"}
-
-
-def plot(pts: list[Point], path: Path, title: str) -> Path:
-    """One column of panels per machine: speedup (x, with its interval) against accuracy loss (y: task accuracy,
-    and KL in a second row when tasks were scored) or weight MB; point size = weight bytes; dominated formats
-    hollow and grey."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    by_machine = panels(pts)
-    kinds = ["task", "kl"] if any(p.loss_kind == "task" for p in pts) else \
-        ["kl" if any(p.loss_kind == "kl" for p in pts) else "weight"]
-    fig, axes = plt.subplots(len(kinds), len(by_machine), figsize=(9 * len(by_machine), 6 * len(kinds)), dpi=100,
-                             squeeze=False)
-    for col, (machine, members) in enumerate(by_machine.items()):
-        big = max((p.weight_bytes or 0) for p in members) or 1.0
-        for row, kind in enumerate(kinds):
-            ax = axes[row][col]
-            for p in [q for q in members if kind == "weight" or q.loss_kind or q.kl is not None]:
-                y, yerr, beaten = _y(p, kind)
-                if y is None:
-                    continue
-                color = "0.6" if beaten else None
-                ax.errorbar([p.speedup], [y], xerr=[[p.speedup - p.lo], [p.hi - p.speedup]], yerr=yerr, fmt="none",
-                            ecolor=color or "0.3", capsize=3, lw=1)
-                ax.scatter([p.speedup], [y], s=30 + 300 * (p.weight_bytes or 0) / big, zorder=3,
-                           facecolors="none" if beaten else color, edgecolors=color or "k")
-                short = p.label.replace("aten::", "").replace("bitsandbytes::", "")
-                ax.annotate(short + (" (dominated)" if beaten else ""), (p.speedup, y), textcoords="offset points",
-                            xytext=(6, 4), fontsize=6.5)
-            if kind == "kl":
-                ax.set_yscale("symlog", linthresh=1e-4)
-            ax.set_ylabel(YLABEL[kind])
-            ax.set_xlabel("decode speedup over the sweep's baseline cell (higher is better)")
-            ax.set_title(machine if row == 0 else f"{machine}: the same formats by KL", fontsize=9)
-            ax.grid(True, alpha=0.3)
-    fig.suptitle(f"{title}: format frontier (size = weight bytes; hollow = dominated)", fontsize=10)
-    return figures.save(fig, path)
-
-
-def write(folder: Path, rows: list[dict], baseline: str, title: str, probes: list[dict] | None = None) -> list[Path]:
-    """frontier.png for a sweep of two or more formats ([] otherwise)."""
-    pts = points(rows, baseline, intervals.log_drift(drift_pairs(rows, probes or [])))
-    if len({p.fmt for p in pts}) < 2:
-        return []
-    return [plot(pts, Path(folder) / "frontier.png", title)]

@@ -21,7 +21,7 @@ import logging
 import sys
 from pathlib import Path
 
-from harness.analysis import crossover, figures, frontier, scaling, task_accuracy
+from harness.analysis import crossover, figures, frontier, frontier_plot, scaling, task_accuracy
 from harness.analysis.roofline import roofline_plot
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
@@ -181,7 +181,7 @@ def write_report(folder: Path, cells: list[dict], baseline: str = "none", title:
                   + task_accuracy.section(rows) + bench_table(rows) + crossover.section(rows, baseline)
                   + scaling.section(rows))
     paths = [md, plot(rows, folder / "report.png", title)]
-    paths += frontier.write(folder, rows, baseline, title, probes)  # two or more formats: the frontier figure
+    paths += frontier_plot.write(folder, rows, baseline, title, probes)  # two or more formats: the frontier figure
     paths += crossover.write(folder, rows, baseline, title)  # cells varying batch size / context depth
     paths += scaling.write(folder, rows, title)  # cells spanning model sizes (harness/analysis/scaling.py)
     bound = [{"label": r["cell"], "decode_tokens_per_s": _num(r["metrics"], HEADLINE),

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.analysis import frontier, intervals
+from harness.analysis import frontier, frontier_plot
 from harness.errors import QuantbenchError
 from harness.metrics import HEADLINE
 from harness.records.results import invocation_cells, read_json, sweep_baseline
@@ -73,7 +73,7 @@ def _from_parent(c, exp_id: str, parent) -> Sweep:  # noqa: ANN001 - mlflow obje
                            "strategy": {"batch_size": params.get("strategy.batch_size")}}}
         latest[tags.get("config_hash") or run.info.run_id] = cell  # ascending start: the rerun wins
     return Sweep(parent.data.tags.get("quantbench.sweep", "sweep"), list(latest.values()),
-                 probe_from_parent(dict(parent.data.metrics), dict(parent.data.tags)), parent.info.run_id)
+                 probe_from_parent(dict(parent.data.metrics)), parent.info.run_id)
 
 
 def _filter(sweep: str, tag: str = "") -> str:
@@ -116,25 +116,35 @@ def select_from_mlflow(tracking_uri: str, experiment: str, sweep: str, ids: list
 
 
 def stored_probes(folder: Path, invocation: str | None = None) -> list[dict]:
-    """The folder's drift probe (of `invocation` when given) as a list of result dicts."""
+    """The folder's drift probes (of `invocation` when given) as result dicts."""
     data = read_json(Path(folder) / DRIFT_FILE)
     if not data or (invocation and data.get("invocation") != invocation):
         return []
-    return [data]
+    return list(data.get("probes") or [])
 
 
-def probe_parent_metrics(probe: dict) -> dict[str, float]:
-    """What the parent MLflow run keeps of the probe (read back by probe_from_parent)."""
-    m = probe.get("metrics") or {}
-    return {f"drift_probe_{k}": float(m[k]) for k in (HEADLINE, f"{HEADLINE}_p10", f"{HEADLINE}_p90") if k in m}
+PROBE_KEYS = (HEADLINE, f"{HEADLINE}_p10", f"{HEADLINE}_p90")
 
 
-def probe_from_parent(metrics: dict, tags: dict) -> list[dict]:
-    """The probe as a result dict, from the parent run's metrics and tags ([] when it has none)."""
-    m = {k.removeprefix("drift_probe_"): v for k, v in metrics.items() if k.startswith("drift_probe_")}
-    if HEADLINE not in m or not tags.get(OF_TAG):
-        return []
-    return [{"status": "OK", "metrics": m, "tags": {OF_TAG: tags[OF_TAG]}}]
+def probe_parent_metrics(probes: list[dict]) -> dict[str, float]:
+    """What the parent MLflow run keeps of the OK probes: `drift_probe.<config hash>.<metric>` (read back by
+    probe_from_parent)."""
+    out = {}
+    for p in probes:
+        m, of = p.get("metrics") or {}, (p.get("tags") or {}).get(OF_TAG)
+        if p.get("status") == "OK" and of:
+            out.update({f"drift_probe.{of}.{k}": float(m[k]) for k in PROBE_KEYS if k in m})
+    return out
+
+
+def probe_from_parent(metrics: dict) -> list[dict]:
+    """The probes as result dicts, from the parent run's metrics ([] when it has none)."""
+    found: dict[str, dict] = {}
+    for key, val in metrics.items():
+        parts = key.split(".", 2)
+        if len(parts) == 3 and parts[0] == "drift_probe" and parts[2] in PROBE_KEYS:
+            found.setdefault(parts[1], {})[parts[2]] = val
+    return [{"status": "OK", "metrics": m, "tags": {OF_TAG: of}} for of, m in found.items() if HEADLINE in m]
 
 
 def frontier_points(sweeps: list[Sweep]) -> list[frontier.Point]:
@@ -143,7 +153,7 @@ def frontier_points(sweeps: list[Sweep]) -> list[frontier.Point]:
     for s in sweeps:
         baseline = sweep_baseline(s.cells)
         rows = rows_for(s.cells, baseline)
-        pts = frontier.points(rows, baseline, intervals.log_drift(frontier.drift_pairs(rows, s.probes)))
+        pts = frontier.points(rows, baseline, s.probes)
         if len(sweeps) > 1:
             for p in pts:
                 p.group = f"{s.name} [{s.source}]: {p.group}"
@@ -169,4 +179,4 @@ def write_frontier(sweeps: list[Sweep], out: Path) -> list[Path]:
                       *[f"- {x}" for x in frontier.recommendations(group)], ""]
     md = out / "frontier.md"
     md.write_text("\n".join(lines))
-    return [md, frontier.plot(pts, out / "frontier.png", "frontier")]
+    return [md, frontier_plot.plot(pts, out / "frontier.png", "frontier")]

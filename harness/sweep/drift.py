@@ -1,10 +1,16 @@
-"""The drift probe: the sweep's baseline cell, run again (speed only) after the last cell.
+"""The drift probe: cells of the sweep run again (speed only) after the last cell, in reverse order.
 
-Two cells of one configuration differ only by when they ran, so their speed ratio is the sweep's own measure of
-the drift between cells (harness/analysis/frontier.py widens every speed interval by it). The baseline runs
-first in a sweep's list, the probe after the last cell: the pair spans the whole sweep. The probe scores no
-accuracy (it changes nothing about the timed decode, which runs before any scoring) and is kept out of the
-cells: `results/<sweep>/drift.json`, and the parent MLflow run's `drift_probe_*` metrics.
+Two runs of one configuration in two cells differ only by when (and in which process) they ran, so their speed
+ratio is the sweep's own measure of the drift between cells (harness/analysis/frontier.py widens every speed
+interval by the largest one). `sweep.drift_probe`:
+- `all`: every OK cell again, last cell first. With the sweep's own order that is A B C ... C B A, the cell-level
+  form of the gate's A B B A: a drift that grows through the sweep cancels in the mean of a format's two runs,
+  and every format gets its own pair (one format's process can be luckier than another's: a probe of the
+  baseline alone missed a 1.7x swing of rtn_int4 between two quant_sweeps on one host).
+- `baseline`: the baseline cell only (one pair: cheaper, and says less).
+- `none`: no probe; the report says the drift was not measured.
+A probe scores no accuracy (nothing of the timed decode changes: it runs before any scoring) and is kept out of
+the cells: `results/<sweep>/drift.json`, and the parent MLflow run's `drift_probe.<config hash>.*` metrics.
 """
 
 from __future__ import annotations
@@ -22,13 +28,14 @@ from harness.sweep.isolated import run_isolated
 log = logging.getLogger("quantbench")
 
 
-def baseline_cell(cells: list[dict], baseline: str) -> dict | None:
-    """The OK baseline cell the probe repeats, when the sweep compared at least two formats."""
-    ok = [c for c in cells if c.get("status") == "OK" and (c.get("metrics") or {}).get(HEADLINE)]
-    formats = {(c.get("tags") or {}).get("quantizer.name") for c in ok}
-    if len(formats) < 2:
-        return None
-    return next((c for c in ok if (c.get("tags") or {}).get("quantizer.name") == baseline and c.get("config")), None)
+def probe_cells(cells: list[dict], baseline: str, mode: str) -> list[dict]:
+    """The OK cells to run again, last first (`all`) or the baseline only; none for a sweep of one format."""
+    ok = [c for c in cells if c.get("status") == "OK" and (c.get("metrics") or {}).get(HEADLINE) and c.get("config")]
+    if mode == "none" or len({(c.get("tags") or {}).get("quantizer.name") for c in ok}) < 2:
+        return []
+    if mode == "baseline":
+        return [c for c in ok if (c.get("tags") or {}).get("quantizer.name") == baseline][:1]
+    return ok[::-1]
 
 
 def probe_config(cell: dict) -> dict:
@@ -40,21 +47,22 @@ def probe_config(cell: dict) -> dict:
     return config
 
 
-def run_probe(cells: list[dict], baseline: str, settings: Any, folder: Path, invocation: str) -> dict | None:
-    """Run the probe and write drift.json; returns the probe's result dict (None when there is nothing to probe)."""
-    cell = baseline_cell(cells, baseline)
-    if cell is None or not settings.drift_probe:
-        return None
-    print(f"drift probe: the baseline cell {cell['tags'].get('sweep.cell', '')!r} again, speed only", flush=True)
-    result = run_isolated(probe_config(cell), settings).to_dict()
-    result["tags"][OF_TAG] = cell["tags"].get("config_hash") or cell.get("config_hash", "")
-    result["invocation"] = invocation
-    keep = {k: result[k] for k in ("status", "error", "metrics", "tags", "invocation", "started", "ended")}
-    try:
-        write_json_atomic(Path(folder) / DRIFT_FILE, keep)
-    except OSError as exc:
-        log.warning("could not write %s: %s", Path(folder) / DRIFT_FILE, exc)
-    a, b = cell["metrics"].get(HEADLINE), result["metrics"].get(HEADLINE)
-    print(f"drift probe: [{result['status']}] " + (f"{a:.2f} then {b:.2f} tok/s" if a and b else result["error"]),
-          flush=True)
-    return keep
+def run_probes(cells: list[dict], baseline: str, settings: Any, folder: Path, invocation: str) -> list[dict]:
+    """Run the probes and write drift.json; returns the probes' result dicts ([] when there is nothing to probe)."""
+    todo = probe_cells(cells, baseline, settings.drift_probe)
+    if todo:
+        print(f"drift probe ({settings.drift_probe}): {len(todo)} cell(s) again, speed only, last first", flush=True)
+    probes = []
+    for cell in todo:
+        result = run_isolated(probe_config(cell), settings).to_dict()
+        result["tags"][OF_TAG] = cell["tags"].get("config_hash") or cell.get("config_hash", "")
+        probes.append({k: result[k] for k in ("status", "error", "metrics", "tags", "started", "ended")})
+        a, b = cell["metrics"].get(HEADLINE), result["metrics"].get(HEADLINE)
+        print(f"drift probe: [{result['status']}] {cell['tags'].get('sweep.cell', '')}: "
+              + (f"{a:.2f} then {b:.2f} tok/s" if a and b else result["error"]), flush=True)
+    if probes:
+        try:
+            write_json_atomic(Path(folder) / DRIFT_FILE, {"invocation": invocation, "probes": probes})
+        except OSError as exc:
+            log.warning("could not write %s: %s", Path(folder) / DRIFT_FILE, exc)
+    return probes

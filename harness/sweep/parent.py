@@ -90,7 +90,7 @@ def open_parent_run(state: SweepState, previous: str) -> str:
 
 
 def close_parent_run(state: SweepState, status: str, summary: str, artifacts: list[Path],
-                     probe: dict | None = None) -> None:
+                     probes: list[dict] | None = None) -> None:
     """Log the report files (and the drift probe) to the parent run and end it with the sweep's status (best
     effort)."""
     if not state.parent_run_id or not state.tcfg.enabled:
@@ -98,10 +98,8 @@ def close_parent_run(state: SweepState, status: str, summary: str, artifacts: li
     tcfg, rid = state.tcfg, state.parent_run_id
     c = client(tcfg)
     try:
-        if probe and probe.get("status") == "OK":
-            for key, val in sweeps.probe_parent_metrics(probe).items():
-                retry(lambda k=key, v=val: c.log_metric(rid, k, v), tcfg, "mlflow log_metric")
-            retry(lambda: c.set_tag(rid, sweeps.OF_TAG, probe["tags"][sweeps.OF_TAG]), tcfg, "mlflow set_tag")
+        for key, val in sweeps.probe_parent_metrics(probes or []).items():
+            retry(lambda k=key, v=val: c.log_metric(rid, k, v), tcfg, "mlflow log_metric")
         for path in artifacts:
             if path.exists():
                 retry(lambda p=path: c.log_artifact(rid, str(p)), tcfg, "mlflow log_artifact")
@@ -171,10 +169,10 @@ def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
     progress.stop()
     folder = Path(state.folder)
     cells = invocation_cells(folder, state.invocation)
-    probe = None
-    if not interrupted:  # an interruption during the probe comes back here through abort() (_OPEN still set)
-        probe = drift.run_probe(cells, sweep_baseline(cells), settings_from({"sweep": state.sweep}), folder,
-                                state.invocation)
+    probes: list[dict] = []
+    if not interrupted:  # an interruption during the probes comes back here through abort() (_OPEN still set)
+        probes = drift.run_probes(cells, sweep_baseline(cells), settings_from({"sweep": state.sweep}), folder,
+                                  state.invocation)
     _OPEN.pop("state", None)
     missing = max(0, state.planned - len(cells)) if not interrupted else 0
     counts: dict[str, int] = {}
@@ -186,13 +184,13 @@ def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
     paths: list[Path] = []
     try:
         paths = report.write_report(folder, cells, baseline=sweep_baseline(cells), title=f"sweep {state.name}",
-                                    probes=[probe] if probe else [])
+                                    probes=probes)
     except Exception as exc:  # noqa: BLE001 - a report problem must not hide the sweep's outcome
         log.error("could not write the sweep report: %s", exc)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no cells"
     if missing:
         summary += f", {missing} never reported (the job died, or could not write its result)"
-    close_parent_run(state, status, summary, paths, probe)
+    close_parent_run(state, status, summary, paths, probes)
     _EXIT["code"] = 1 if bad or interrupted or nothing else 0
     lock = _HELD.pop("lock", None)
     if lock is not None:

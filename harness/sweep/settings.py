@@ -22,6 +22,7 @@ from harness.schema import Validated, positive
 STATE_ENV = "QUANTBENCH_SWEEP_STATE"
 FAULT_ENV = "QUANTBENCH_TEST_FAULTS"  # test-only, see harness/sweep/__init__.py
 FAULTS = ("kill", "hang", "oom")
+DRIFT_PROBES = ("all", "baseline", "none")  # which cells run again after the last (harness/sweep/drift.py)
 START_METHODS = ("forkserver", "spawn")  # forkserver: forked from a pre-imported server; spawn: fresh interpreter
 PRELOAD = ("harness.sweep.preload",)  # what the forkserver imports once for every cell
 DEFAULT_NAME = "adhoc"  # sweep folder for a multirun without an experiment name
@@ -36,7 +37,7 @@ class SweepSettings(Validated):
     resume: bool = True  # reuse cells with an OK result for the same config hash and resume key
     baseline: str = DEFAULT_BASELINE  # quantizer name the report's speed ratio compares with
     start_method: str = "forkserver"  # forkserver (warm: imports done once) | spawn (a fresh interpreter per cell)
-    drift_probe: bool = False  # rerun the baseline cell (speed only) after the last: the measured between-cell drift
+    drift_probe: str = "none"  # all | baseline | none: cells run again (speed only) after the last: the drift between cells
     label: str = ""  # tag `quantbench.label` of the parent run: select sweeps by it (python -m harness.report --frontier)
 
     _section = "sweep"
@@ -45,9 +46,10 @@ class SweepSettings(Validated):
         p: list[str] = []
         positive(p, "sweep.timeout_s", self.timeout_s)
         positive(p, "sweep.startup_timeout_s", self.startup_timeout_s)
-        for key in ("resume", "drift_probe"):
-            if not isinstance(getattr(self, key), bool):
-                p.append(f"sweep.{key}={getattr(self, key)!r} must be true or false")
+        if not isinstance(self.resume, bool):
+            p.append(f"sweep.resume={self.resume!r} must be true or false")
+        if self.drift_probe not in DRIFT_PROBES:
+            p.append(f"sweep.drift_probe={self.drift_probe!r} is not allowed; choose one of: {', '.join(DRIFT_PROBES)}")
         if self.start_method not in START_METHODS:
             p.append(f"sweep.start_method={self.start_method!r} is not allowed; choose one of: "
                      f"{', '.join(START_METHODS)}")
