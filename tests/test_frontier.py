@@ -190,3 +190,12 @@ def test_drift_probe_reruns_every_cell_last_first_in_a_real_sweep(tmp_path):
         {p["tags"][sweeps.OF_TAG]: p["metrics"]["decode_tokens_per_s"] for p in probed})
     assert report.main(["--frontier", "--sweep", "dp", "--mlflow-experiment", "drill", "--tracking-uri", uri,
                         "--tag", "quantbench.label=lab-b", "--out", str(tmp_path / "none")]) == 2
+    # probes of an older invocation of a resumed sweep (one parent run) are not read as this one's
+    parent = found[0].source
+    metrics = {f"drift_probe.h.{k}": 1.0 for k in sweeps.PROBE_KEYS}
+    assert sweeps.probe_from_parent(metrics, {sweeps.PROBED_TAG: "inv1", "quantbench.invocation": "inv1"})
+    assert sweeps.probe_from_parent(metrics, {sweeps.PROBED_TAG: "inv1", "quantbench.invocation": "inv2"}) == []
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(uri).get_run(parent)
+    assert run.data.tags[sweeps.PROBED_TAG] == run.data.tags["quantbench.invocation"]

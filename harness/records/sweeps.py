@@ -24,6 +24,7 @@ from harness.records.rows import rows_for
 
 DRIFT_FILE = "drift.json"  # results/<sweep>/drift.json: the drift probe (harness/sweep/drift.py)
 OF_TAG = "drift_probe.of"  # the probe's tag: the config hash of the cell it repeats
+PROBED_TAG = "drift_probe.invocation"  # the parent run's tag: the invocation whose probes its metrics hold
 
 
 @dataclass
@@ -73,7 +74,7 @@ def _from_parent(c, exp_id: str, parent) -> Sweep:  # noqa: ANN001 - mlflow obje
                            "strategy": {"batch_size": params.get("strategy.batch_size")}}}
         latest[tags.get("config_hash") or run.info.run_id] = cell  # ascending start: the rerun wins
     return Sweep(parent.data.tags.get("quantbench.sweep", "sweep"), list(latest.values()),
-                 probe_from_parent(dict(parent.data.metrics)), parent.info.run_id)
+                 probe_from_parent(dict(parent.data.metrics), dict(parent.data.tags)), parent.info.run_id)
 
 
 def _filter(sweep: str, tag: str = "") -> str:
@@ -137,8 +138,11 @@ def probe_parent_metrics(probes: list[dict]) -> dict[str, float]:
     return out
 
 
-def probe_from_parent(metrics: dict) -> list[dict]:
-    """The probes as result dicts, from the parent run's metrics ([] when it has none)."""
+def probe_from_parent(metrics: dict, tags: dict) -> list[dict]:
+    """The probes as result dicts, from the parent run's metrics: only when they come from the run's latest
+    invocation (a resumed sweep keeps one parent run; an older invocation's probes say nothing of this one)."""
+    if not tags.get(PROBED_TAG) or tags.get(PROBED_TAG) != tags.get("quantbench.invocation"):
+        return []
     found: dict[str, dict] = {}
     for key, val in metrics.items():
         parts = key.split(".", 2)

@@ -100,6 +100,8 @@ def close_parent_run(state: SweepState, status: str, summary: str, artifacts: li
     try:
         for key, val in sweeps.probe_parent_metrics(probes or []).items():
             retry(lambda k=key, v=val: c.log_metric(rid, k, v), tcfg, "mlflow log_metric")
+        if probes:
+            retry(lambda: c.set_tag(rid, sweeps.PROBED_TAG, state.invocation), tcfg, "mlflow set_tag")
         for path in artifacts:
             if path.exists():
                 retry(lambda p=path: c.log_artifact(rid, str(p)), tcfg, "mlflow log_artifact")
