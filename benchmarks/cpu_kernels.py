@@ -30,34 +30,45 @@ sys.path.insert(0, str(ROOT))
 
 from harness import quiet_third_party  # noqa: E402
 
-COMPILED = ["measure.cache=static", "measure.compile=true", "measure.compile_skip_guards=true"]
+EAGER = ["measure.path=eager"]
+COMPILED = ["measure.path=compiled"]
 # inductor freezing: weights become graph constants, so a quantized tensor subclass is unwrapped once at
 # compile time instead of at every call (Zen 3: int4 40 -> 53 tok/s); for plain float weights it prepacks
 # for oneDNN. Which of the two compiled rows wins differs by format and CPU, so both are measured.
-FROZEN = [*COMPILED, "measure.compile_freezing=true"]
+FROZEN = ["measure.path=freezing"]
 # format -> (llama.cpp format of the same weights, [(path label, overrides)])
 PATHS: dict[str, tuple[str, list[tuple[str, list[str]]]]] = {
-    "fp32": ("F32", [("eager", ["quantizer=fp32"]),
+    "fp32": ("F32", [("eager", ["quantizer=fp32", *EAGER]),
                      ("compiled", ["quantizer=fp32", *COMPILED]),
                      ("compiled+freezing", ["quantizer=fp32", *FROZEN])]),
-    "bf16": ("BF16", [("eager", ["quantizer=bf16"]),
+    "bf16": ("BF16", [("eager oneDNN GEMV", ["quantizer=bf16", *EAGER, "measure.gemv=onednn"]),
+                      ("eager", ["quantizer=bf16", *EAGER]),
                       ("compiled", ["quantizer=bf16", *COMPILED]),
                       ("compiled+freezing", ["quantizer=bf16", *FROZEN])]),
     # int8 resolves to torchao_int8 kernel=int8pack on CPU; the `torchao subclass` rows keep torchao's own
     # Int8Tensor (eager: dequantize + mm per call; compiled: inductor's int8pack rewrite), for comparison
-    "int8": ("Q8_0", [("eager", ["quantizer=int8"]),
-                      ("eager torchao subclass", ["quantizer=torchao_int8", "quantizer.kernel=torchao"]),
-                      ("eager quanto", ["quantizer=quanto_int8", "model.dtype=bfloat16"]),
+    "int8": ("Q8_0", [("eager", ["quantizer=int8", *EAGER]),
+                      ("eager torchao subclass", ["quantizer=torchao_int8", "quantizer.kernel=torchao", *EAGER]),
+                      ("eager quanto", ["quantizer=quanto_int8", "model.dtype=bfloat16", *EAGER]),
                       ("compiled", ["quantizer=int8", *COMPILED]),
                       ("compiled torchao subclass", ["quantizer=torchao_int8", "quantizer.kernel=torchao", *COMPILED]),
-                      ("compiled+freezing", ["quantizer=int8", *FROZEN])]),
-    "int4": ("Q4_0", [("eager", ["quantizer=int4"]),
+                      ("compiled+freezing", ["quantizer=int8", *FROZEN]),
+                      # the output projection in int8 too, as llama.cpp's Q8_0 file stores it
+                      ("eager int8 head", ["quantizer=int8", "quantizer.head=int8", *EAGER]),
+                      ("compiled int8 head", ["quantizer=int8", "quantizer.head=int8", *COMPILED]),
+                      ("compiled+freezing int8 head", ["quantizer=int8", "quantizer.head=int8", *FROZEN])]),
+    "int4": ("Q4_0", [("eager", ["quantizer=int4", *EAGER]),
                       ("compiled", ["quantizer=int4", *COMPILED]),
-                      ("compiled+freezing", ["quantizer=int4", *FROZEN])]),
+                      ("compiled+freezing", ["quantizer=int4", *FROZEN]),
+                      # llama.cpp's Q4_0 file stores its head in Q6_K; an int8 head is the nearest torch kernel
+                      ("eager int8 head", ["quantizer=int4", "quantizer.head=int8", *EAGER]),
+                      ("compiled int8 head", ["quantizer=int4", "quantizer.head=int8", *COMPILED]),
+                      ("compiled+freezing int8 head", ["quantizer=int4", "quantizer.head=int8", *FROZEN])]),
 }
 # opt-in (--variants): more inductor options on the bf16 compiled path, each a row (minutes of compile each)
 VARIANTS = [("compiled max-autotune", ["quantizer=bf16", *COMPILED, "measure.compile_mode=max-autotune-no-cudagraphs"]),
-            ("compiled cpp_wrapper", ["quantizer=bf16", *COMPILED, "measure.compile_cpp_wrapper=true"])]
+            ("compiled cpp_wrapper", ["quantizer=bf16", *COMPILED, "measure.compile_cpp_wrapper=true"]),
+            ("compiled fp16", ["quantizer=fp16", *COMPILED])]
 SIXTEEN = ("bf16",)  # the 16-bit formats the int formats must beat (fp32 is 32-bit)
 
 
@@ -72,12 +83,68 @@ def run_cell(overrides: list[str], common: list[str]) -> dict:
     except Exception as exc:  # noqa: BLE001 - one failed cell must not lose the table
         return {"error": str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
                 "wall_s": time.perf_counter() - t0}
-    keep = ("kernel.linear", "kernel.linear_share", "quantizer.resolved", "quantizer.backend", "fast_path",
+    keep = ("kernel.linear", "kernel.linear_share", "quantizer.resolved", "quantizer.backend", "fast_path", "kernel.gemv",
             "quantizer.prefill_matmul", "warning.slow_kernel", "cpu.isa")
     row = {**result.metrics, **{k: result.tags[k] for k in keep if k in result.tags}, "wall_s": time.perf_counter() - t0}
     print(f"#   {row.get('decode_tokens_per_s', float('nan')):.1f} tok/s, TTFT {row.get('ttft_ms', float('nan')):.0f} ms, "
           f"{row.get('kernel.linear', 'ggml')}, wall {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
     return row
+
+
+def one_row_table(threads: int, small: bool = False) -> int:
+    """GB/s of each one-row kernel on the same shape (14336 x 4096, 6 matrices: beyond the caches), interleaved
+    rounds, median: what `measure.gemv` and `quantizer=auto16` choose between (harness/measure/paths.py)."""
+    import importlib.util
+    import statistics
+
+    import torch
+
+    from harness.env import cpu_info
+    from harness.measure import set_threads
+
+    n_threads = set_threads(threads)
+    n, k, mats = (1024, 1024, 2) if small else (14336, 4096, 6)
+    torch.manual_seed(0)
+    bf = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for _ in range(mats)]
+    half = [w.half() for w in bf]
+    x, xh = torch.randn(1, k, dtype=torch.bfloat16), torch.randn(1, k, dtype=torch.float16)
+    i8 = [torch.randint(-127, 127, (n, k), dtype=torch.int8) for _ in range(mats)]
+    i8s = torch.rand(n, dtype=torch.bfloat16)
+    i4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 8)
+          for _ in range(mats)]
+    i4s = torch.rand(k // 64, n, 2, dtype=torch.bfloat16)
+
+    def aten(ws: list, inp: torch.Tensor) -> None:
+        with torch.backends.mkldnn.flags(enabled=False):
+            for w in ws:
+                torch.nn.functional.linear(inp, w)
+
+    cands = {  # label -> (function, bytes per call)
+        "bf16 oneDNN (torch's default dispatch)": (lambda: [torch.nn.functional.linear(x, w) for w in bf], 2.0),
+        "bf16 ATen GEMV (measure.gemv=aten)": (lambda: aten(bf, x), 2.0),
+        "fp16 ATen GEMV": (lambda: [torch.nn.functional.linear(xh, w) for w in half], 2.0),
+        "int8 _weight_int8pack_mm": (lambda: [torch.ops.aten._weight_int8pack_mm(x, w, i8s) for w in i8], 1.0),
+        "int4 _weight_int4pack_mm_for_cpu (g64)": (
+            lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 64, i4s) for w in i4], 0.5 + 4 / 64),
+    }
+    if importlib.util.find_spec("zentorch") is not None:
+        import zentorch  # noqa: F401 - registers torch.ops.zentorch
+
+        cands["bf16 zentorch linear"] = (lambda: [torch.ops.zentorch.zentorch_linear_unary(x, w) for w in bf], 2.0)
+    res: dict[str, list[float]] = {c: [] for c in cands}
+    for r in range(7):
+        for label, (f, per) in (cands.items() if r % 2 else reversed(list(cands.items()))):
+            t0 = time.perf_counter()
+            f()
+            if r:  # round 0 warms up
+                res[label].append(mats * n * k * per / (time.perf_counter() - t0) / 1e9)
+    print(f"# CPU: {cpu_info().describe()}; {n_threads} threads; torch {torch.__version__}; one row x "
+          f"{mats} weights of {n} x {k}, 6 interleaved rounds")
+    print("\n| kernel | GB/s median (min-max) | vs bf16 oneDNN |\n|---|---|---|")
+    base = statistics.median(res["bf16 oneDNN (torch's default dispatch)"])
+    for label, v in res.items():
+        print(f"| {label} | {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f}) | {statistics.median(v) / base:.2f} |")
+    return 0
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:
@@ -87,7 +154,7 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default=",".join(PATHS), help="of: " + ", ".join(PATHS))
-    ap.add_argument("--paths", default="", help="only paths whose label contains one of these (comma-separated)")
+    ap.add_argument("--paths", default="", help="only these path labels (comma-separated, e.g. eager,compiled,compiled+freezing)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
@@ -95,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-default", action="store_true", help="skip the default-run row")
     ap.add_argument("--variants", action="store_true", help="add bf16 rows: max-autotune, cpp_wrapper")
     ap.add_argument("--smoke", action="store_true", help="tiny model, two rows, no llama.cpp (seconds)")
+    ap.add_argument("--arch", default="", help="a random-weight preset (model.arch, e.g. llama-3.2-1b) instead of SmolLM2")
+    ap.add_argument("--one-row", action="store_true", help="only the one-row kernel table (seconds): GB/s per kernel")
     args = ap.parse_args(argv)
     quiet_third_party()
     import torch
@@ -103,11 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     from harness.measure import set_threads
     from harness.run import llama_cpp
 
+    if args.one_row:  # --smoke: small weights (seconds), the same kernels
+        return one_row_table(args.threads, small=args.smoke)
     model = "tiny_random" if args.smoke else "smollm2_135m"
     formats = ["bf16", "int4"] if args.smoke else [f for f in args.formats.split(",") if f]
     if args.smoke:  # eager rows only: a compile takes tens of seconds even for the tiny model
         args.max_new_tokens, args.repetitions, args.no_llama_cpp, args.no_default, args.paths = 8, 1, True, True, "eager"
-    common = [f"model={model}", "strategy=greedy", "measure.device=cpu", f"measure.threads={args.threads}",
+    sized = ([f"model.arch={args.arch}", "measure.prompts=synthetic:1", "measure.prompt_tokens=32"]
+             if args.arch else [])
+    if args.arch:
+        model = "random"
+    common = [f"model={model}", *sized, "strategy=greedy", "measure.device=cpu", f"measure.threads={args.threads}",
               f"measure.max_new_tokens={args.max_new_tokens}", f"measure.repetitions={args.repetitions}",
               "measure.warmup=1", "accuracy.enabled=false", "tracking.enabled=false"]
     threads = set_threads(args.threads)
@@ -125,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             peers[f] = run_cell(["quantizer=none", "engine=llama_cpp", f"engine.format={gguf}"], common)
             rows.append((f, f"llama.cpp {gguf}", peers[f]))
         for label, overrides in paths:
-            if args.paths and not any(p in label for p in args.paths.split(",")):
+            if args.paths and label not in args.paths.split(","):
                 continue
             print(f"# {f} {label} ...", file=sys.stderr, flush=True)
             rows.append((f, label, run_cell(overrides, common)))
@@ -146,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     best16 = max((tps(best[f][1]) for f in SIXTEEN if f in best), default=float("nan"))
 
     print("\n| format | path | resolved | kernel.linear (share of decode) | decode tok/s (p10-p90) | vs best 16-bit "
-          "| vs llama.cpp | TTFT ms | prefill tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| vs llama.cpp | kernel GB/s (ms) | TTFT ms | prefill tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for f, label, r in rows:
         if "error" in r:
             print(f"| {f} | {label} | | FAILED: {r['error']} | | | | | |")
@@ -158,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         kernel = "ggml" if is_peer else f"{r.get('kernel.linear', '?')} ({r.get('kernel.linear_share', '?')})"
         spread = f"{fmt(tps(r))} ({fmt(r.get('decode_tokens_per_s_p10'))}-{fmt(r.get('decode_tokens_per_s_p90'))})"
         vs_peer = "1" if is_peer else fmt(tps(r) / tps(peer) if peer else None, ".2f")
+        stream = (f"{fmt(r.get('kernel_stream_gbps'))} ({fmt(r.get('kernel_stream_ms'))})"
+                  if "kernel_stream_gbps" in r else "")
         print(f"| {f} | {label} | {resolved} | {kernel} | {spread} | {fmt(tps(r) / best16, '.2f')} | {vs_peer} "
-              f"| {fmt(r.get('ttft_ms'), '.0f')} | {fmt(r.get('prompt_tokens_per_s'), '.0f')} |")
+              f"| {stream} | {fmt(r.get('ttft_ms'), '.0f')} | {fmt(r.get('prompt_tokens_per_s'), '.0f')} |")
 
     print()
     for f in formats:

@@ -28,7 +28,17 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from harness.analysis import corpus, task_accuracy, tasks
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.measure.workloads import source_problems
-from harness.schema import COMPILE_BACKENDS, COMPILE_MATCH, COMPILE_MODES, DEVICES, DTYPES, Validated, positive
+from harness.schema import (
+    COMPILE_BACKENDS,
+    COMPILE_MATCH,
+    COMPILE_MODES,
+    DECODE_PATHS,
+    DEVICES,
+    DTYPES,
+    GEMV_KERNELS,
+    Validated,
+    positive,
+)
 from harness.targets import TARGET_PACKAGES, fields_of, target_problem, target_problems
 
 # names other modules import from here (the schema's constants live in harness/schema.py)
@@ -53,6 +63,8 @@ class MeasureConfig(Validated):
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     cv_warn: float = 0.10  # warn when tokens/s coefficient of variation exceeds this
+    path: str = "best"  # decode path: best (measured table, harness/measure/paths.py) | eager | compiled | freezing
+    gemv: str = "auto"  # one-row 16-bit matmuls on CPU: auto (measured table) | onednn | aten
     cache: str = "dynamic"  # KV cache kind: dynamic | static
     compile: bool = False  # torch.compile the decode step
     compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs on CUDA) | max-autotune[-no-cudagraphs]
@@ -86,6 +98,8 @@ class MeasureConfig(Validated):
             p.append(err)
         if (err := one_of("measure.compile_backend", self.compile_backend, COMPILE_BACKENDS)):
             p.append(err)
+        p.extend(e for e in (one_of("measure.path", self.path, DECODE_PATHS),
+                             one_of("measure.gemv", self.gemv, GEMV_KERNELS)) if e)
         if self.compile and self.cache != "static":
             p.append("measure.compile=true needs fixed decode shapes: add measure.cache=static")
         positive(p, "measure.prompt_tokens", self.prompt_tokens, allow_zero=True)

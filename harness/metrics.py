@@ -174,6 +174,12 @@ _TABLE: list[Metric] = [
     Metric("kernel_linear_ms_per_step", "ms", _L, "profile", "that op's self time per decode step"),
     Metric("kernel_lm_head_share", "ratio", _N, "profile", "the output projection's op's share of step time"),
     Metric("kernel_lm_head_ms_per_step", "ms", _L, "profile", "that op's self time per decode step"),
+    # ---- the one-row kernel alone (harness/measure/one_row.py)
+    Metric("kernel_stream_gbps", "GB/s", _H, "profile",
+           "every weight matrix streamed once at one row by the format's kernel: bytes / the kernels' own time"),
+    Metric("kernel_stream_ms", "ms", _L, "profile", "the kernels' own time in that pass (profiler self time)"),
+    Metric("kernel_stream_wall_ms", "ms", _L, "profile", "that pass by the wall clock, Python and dispatch included"),
+    Metric("kernel_stream_gb", "GB", _N, "profile", "stored bytes of the weight matrices in that pass"),
     # ---- memory (harness/measure/__init__.py)
     Metric("peak_mem_mb", "MiB", _L, "memory", "peak RSS on CPU (reset before loading), max allocated on CUDA"),
     # ---- roofline (harness/analysis/roofline.py)

@@ -111,10 +111,12 @@ class Auto(Quantizer):
     """Resolves to a concrete backend quantizer per device (see module docstring)."""
 
     bits: str = "int8"  # int8 | int4
+    head: str = "keep"  # keep | int8: passed to a backend that has the option (torchao's CPU paths)
 
     def __post_init__(self) -> None:
-        if (err := one_of("quantizer.bits", self.bits, tuple(TABLE))):
-            raise ConfigError([err])
+        errs = [one_of("quantizer.bits", self.bits, tuple(TABLE)), one_of("quantizer.head", self.head, ("keep", "int8"))]
+        if any(errs):
+            raise ConfigError([e for e in errs if e])
         self._resolved: Quantizer | None = None
         self._resolved_name = ""
         self._row = ""
@@ -142,6 +144,11 @@ class Auto(Quantizer):
         reasons, hardware = [], bool(names)
         for name in names:
             candidate = build_named(name)
+            if self.head != "keep":
+                if not hasattr(candidate, "head"):
+                    reasons.append(f"{name}: has no quantizer.head option")
+                    continue
+                candidate.head = self.head
             try:
                 candidate.preflight(device)
             except QuantbenchError as exc:

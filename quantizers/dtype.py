@@ -33,6 +33,7 @@ from typing import Any
 
 from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.errors import ConfigError, one_of
+from harness.measure.one_row import gemv_choice, sixteen_choice
 from harness.schema import DTYPES
 from quantizers.auto import float_choice
 from quantizers.base import Quantizer
@@ -163,3 +164,38 @@ class Dtype(Quantizer):
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         self.min_bits_per_weight = self.max_bits_per_weight = _BITS[dtype]
         return super().audit(model)
+
+
+@dataclass
+class Auto16(Dtype):
+    """`quantizer=auto16`: bf16 or fp16 weights, whichever one-row kernel streams faster on this CPU.
+
+    The two differ in numerics (8 vs 11 mantissa bits, 8 vs 5 exponent bits), so `quantizer=none` never
+    switches between them; this named choice does, and records what it picked and why (tags
+    `quantizer.resolved`, `quantizer.resolved_by`: the measured GB/s of each, harness/measure/one_row.py).
+    llama.cpp's `engine.format=auto16` makes the same choice, so an fp16 row meets F16 and a bf16 row BF16.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._gemv = "auto"
+        self._why = ""
+
+    @property
+    def name(self) -> str:
+        return "auto16"
+
+    def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
+        self._gemv = getattr(measure, "gemv", "auto") if measure is not None else "auto"
+
+    def preflight(self, device: str) -> None:
+        super().preflight(device)
+        if not self._why:
+            aten = gemv_choice(self._gemv, device, env.cpu_info())[0] == "aten"
+            self.dtype, self._why = sixteen_choice(device, aten)
+
+    def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
+        model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)
+        self.last_tags.update({"quantizer.resolved": {"bfloat16": "bf16", "float16": "fp16"}[self.dtype],
+                               "quantizer.resolved_by": self._why})
+        return model

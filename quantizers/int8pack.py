@@ -68,3 +68,21 @@ def to_int8pack(model: Any, upcast_rows: int) -> int:
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
     return len(swaps)
+
+
+def int8_head(model: Any, upcast_rows: int, chunk: int = 16384) -> int:
+    """`quantizer.head=int8`: the output projection as symmetric per-row int8 in an Int8PackLinear, as
+    llama.cpp's Q8_0 files store it (Q4_0 files: Q6_K). A tied embedding keeps its 16-bit table for the
+    lookup; the head gets its own int8 copy. Returns the rows quantized (chunked: no fp32 copy of the whole
+    head, ~2 GB at 8B)."""
+    head = model.get_output_embeddings()
+    w = head.weight.detach()
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scale = torch.empty(w.shape[0], dtype=torch.float32)
+    for i in range(0, w.shape[0], chunk):
+        part = w[i:i + chunk].float()
+        s = (part.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q[i:i + chunk] = torch.round(part / s[:, None]).clamp(-127, 127).to(torch.int8)
+        scale[i:i + chunk] = s
+    model.set_output_embeddings(Int8PackLinear(q, scale.to(torch.bfloat16), head.bias, upcast_rows))
+    return int(w.shape[0])

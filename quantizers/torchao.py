@@ -45,13 +45,21 @@ from harness.errors import ConfigError, QuantbenchError, Unsupported, one_of
 from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
 from quantizers.dtype import apply_prefill_matmul, native_16bit
-from quantizers.int8pack import INT8_UPCAST_ROWS, to_int8pack
+from quantizers.int8pack import INT8_UPCAST_ROWS, int8_head, to_int8pack
 
 # torchao (the optional `quant` extra) and transformers are imported where used: config validation instantiates this
 # class on machines without it (tests/test_layout.py, LAZY_OK).
 
 KERNELS = ("auto", "packed", "intx", "tinygemm")
 INT8_KERNELS = ("auto", "int8pack", "torchao")
+HEADS = ("keep", "int8")  # quantizer.head: the output projection left in 16 bits, or int8 per row (CPU)
+
+
+def head_problem(head: str, kernel: str) -> str:
+    if (err := one_of("quantizer.head", head, HEADS)):
+        return err
+    return "" if head == "keep" or kernel in ("auto", "int8pack", "packed", "intx") else \
+        f"quantizer.head=int8 is a CPU path (Int8PackLinear); with quantizer.kernel={kernel} use quantizer.head=keep"
 
 
 class BF16OnCPU:
@@ -62,6 +70,10 @@ class BF16OnCPU:
         model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)  # type: ignore[misc]
         dtype = str(model.get_output_embeddings().weight.dtype).replace("torch.", "")
         self.last_tags["quantizer.prefill_matmul"] = apply_prefill_matmul(model, dtype, device, "auto")  # type: ignore[attr-defined]
+        if getattr(self, "head", "keep") == "int8":  # after the upcast pass: the int8 head has no float weight
+            upcast = 0 if native_16bit("bfloat16", env.cpu_info()) else INT8_UPCAST_ROWS
+            rows = int8_head(model, upcast)
+            self.last_tags["quantizer.head"] = f"int8 per row ({rows} rows, aten::_weight_int8pack_mm)"  # type: ignore[attr-defined]
         return model
 
 
@@ -71,6 +83,7 @@ class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
 
     dynamic: bool = False
     kernel: str = "auto"  # auto (int8pack on CPU weight-only, else torchao) | int8pack | torchao
+    head: str = "keep"  # keep (output projection in 16 bits) | int8 (per row, as llama.cpp's Q8_0 files; CPU)
 
     library = "torchao"
     quantizes = True
@@ -79,7 +92,7 @@ class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
     instead = "quantizer=bnb_int8"
 
     def __post_init__(self) -> None:
-        errs = [one_of("quantizer.kernel", self.kernel, INT8_KERNELS)]
+        errs = [one_of("quantizer.kernel", self.kernel, INT8_KERNELS), head_problem(self.head, self.kernel)]
         if self.dynamic and self.kernel == "int8pack":
             errs.append("quantizer.kernel=int8pack is weight-only; with quantizer.dynamic=true choose one of: auto, torchao")
         if any(errs):
@@ -135,6 +148,7 @@ class TorchAoInt4(BF16OnCPU, TimedLoad, Quantizer):
 
     group_size: int = 32
     kernel: str = "auto"  # auto (packed on CPU, tinygemm on CUDA) | packed | intx | tinygemm
+    head: str = "keep"  # keep (output projection in 16 bits) | int8 (per row; llama.cpp's Q4_0 files use Q6_K; CPU)
 
     library = "torchao"
     quantizes = True
@@ -142,7 +156,7 @@ class TorchAoInt4(BF16OnCPU, TimedLoad, Quantizer):
     instead = "quantizer=bnb_nf4"
 
     def __post_init__(self) -> None:
-        errs = [one_of("quantizer.kernel", self.kernel, KERNELS)]
+        errs = [one_of("quantizer.kernel", self.kernel, KERNELS), head_problem(self.head, self.kernel)]
         if self.group_size not in (32, 64, 128, 256):
             errs.append(f"quantizer.group_size={self.group_size!r} is not allowed; choose one of: 32, 64, 128, 256")
         elif self.kernel == "packed" and self.group_size == 256:

@@ -23,6 +23,7 @@ class DecodeOptions:
     fast_path: Any = None  # harness.measure.fast_path.FastPath: compiled decode step + fixed static caches
     choose: Any = None  # check-only hook (logits, token index) -> next tokens; None = greedy argmax
     context: Any = None  # strategies.decode.DepthContext: measure.context_depth tokens in the cache before a prompt
+    gemv_aten: bool = False  # measure.gemv=aten: batch-1 decode steps run with oneDNN off (harness/measure/paths.py)
 
 
 @dataclass

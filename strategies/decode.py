@@ -11,6 +11,7 @@ counted: never pads, and with `stop_at_eos` nothing after a row's EOS.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -18,6 +19,17 @@ import torch
 from harness.measure import Generation, model_grad_mode, now, sync
 from strategies.base import DecodeOptions
 from strategies.inject import injected_step
+
+
+class OneDnnOff:
+    """A reusable context: oneDNN off inside (ATen's own kernels take the matmuls), restored after."""
+
+    def __enter__(self) -> None:
+        self.before = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = False
+
+    def __exit__(self, *exc: object) -> None:
+        torch.backends.mkldnn.enabled = self.before
 
 
 def left_pad(batch: list[list[int]], pad_id: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +127,8 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
     pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, depth:]
     cache_position = torch.arange(depth, depth + width, device=device)
     step = step_fn or (fast.step if fast is not None else forward)
+    # measure.gemv=aten: one-row matmuls take ATen's GEMV, not oneDNN's (harness/measure/paths.py); reusable
+    one_row = OneDnnOff() if opts.gemv_aten and bsz == 1 else contextlib.nullcontext()
 
     sync(device)
     t0 = now()
@@ -138,7 +152,8 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
         cpos = torch.tensor([depth + width + i], device=device)
         sync(device)
         t = now()
-        logits = step(model, nxt[:, None], mask, last_pos, cache, cpos)
+        with one_row:
+            logits = step(model, nxt[:, None], mask, last_pos, cache, cpos)
         nxt = logits.argmax(-1) if opts.choose is None else opts.choose(logits, i + 1)
         tokens = nxt.tolist()
         sync(device)

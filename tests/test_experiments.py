@@ -27,6 +27,7 @@ NARROW = {
     "crossover": ["quantizer=int8", "strategy.batch_size=2", "measure.context_depth=16"],
     "task_accuracy": ["quantizer=bf16", "accuracy.task_limit=3"],  # the real task files: scripts/setup.sh --tasks
     "scaling": ["size=tiny", "format=int4"],  # the tiny preset of the random model (tests/test_random_model.py)
+    "scaling_8b": ["size=tiny", "format=int4_eager"],
 }
 
 

@@ -272,6 +272,29 @@ def test_torchao_int8_int8pack_is_torchaos_weights_on_the_aten_op(compose, monke
     assert "Int8PackLinear[Tensor:int8]" in audit["kernel_path"]
 
 
+def test_int8_head_quantizes_the_output_projection_per_row_on_the_int8pack_op(compose):
+    """quantizer.head=int8 (int8 and int4 alike): the head becomes an Int8PackLinear of per-row int8 weights
+    (llama.cpp's Q8_0 files store it so); the tied embedding keeps its bf16 table for the lookup; the logits
+    stay within int8 rounding of the 16-bit head's; the roofline no longer reads the head as the table."""
+    from harness.analysis.roofline import shape_from_torch
+    from quantizers.int8pack import Int8PackLinear
+
+    keep, _ = _load(_exp(compose, "int4"))
+    exp = _exp(compose, "int4", ["quantizer.head=int8"])
+    model, _ = _load(exp)
+    head, ref = model.get_output_embeddings(), keep.get_output_embeddings()
+    assert type(head) is Int8PackLinear and head.qdata.dtype == torch.int8 and head.qdata.shape == ref.weight.shape
+    assert exp.quantizer.last_tags["quantizer.head"].startswith("int8 per row")
+    x = torch.randn(3, head.in_features, dtype=torch.bfloat16)
+    want = ref(x).float()
+    assert torch.allclose(head(x).float(), want, atol=0.03 * want.abs().max().item())
+    assert not shape_from_torch(model).tied
+    with pytest.raises(ConfigError, match="quantizer.head='int4' is not allowed"):
+        _exp(compose, "torchao_int8", ["quantizer.head=int4"])
+    with pytest.raises(ConfigError, match="quantizer.head=int8 is a CPU path"):
+        _exp(compose, "torchao_int4", ["quantizer.head=int8", "quantizer.kernel=tinygemm"])
+
+
 def test_torchao_int8_kernel_options_are_checked(compose):
     with pytest.raises(ConfigError, match="quantizer.kernel='fast'.*auto, int8pack, torchao"):
         _exp(compose, "torchao_int8", ["quantizer.kernel=fast"])

@@ -265,18 +265,31 @@ def test_the_scaling_section_fits_the_fixed_cost_per_step_and_reads_the_speedups
     for size, params, gb16 in (("1b", 1.2e9, 2.5), ("8b", 8.0e9, 16.0)):
         for fmt, f in (("bf16", 1.0), ("int8", 0.56), ("int4", 0.34)):
             rows.append(_row(size, "transformers", fmt, params, gb16 * f, 60 + gb16 * f / 20 * 1e3))
+            rows[-1]["metrics"]["kernel_stream_gbps"] = 20.0
         for fmt, f in (("BF16", 1.0), ("Q8_0", 0.53), ("Q4_0", 0.28)):
             rows.append(_row(size, "llama_cpp", fmt, params, gb16 * f, 2 + gb16 * f / 30 * 1e3,
                              gguf_cache="hit" if size == "1b" else "miss"))
+    # the best path of bf16 at 8B: compiled, faster than eager; speedups are over the fastest 16-bit row
+    rows.append(_row("8b", "transformers", "bf16", 8.0e9, 16.0, 700.0, decode_path="compiled"))
     text = scaling.section(rows)
     assert "## Scaling: decode cost against bytes read per step" in text
-    assert "| quantbench | all formats | 6 | 60.0 | 20.0 |" in text and "| llama.cpp | all formats | 6 | 2.0 | 30.0 |" in text
-    line = next(ln for ln in text.splitlines() if ln.startswith("| 8b | quantbench | int4 |"))
+    assert "| ? | quantbench | all formats | eager | 6 | 60.0 | 20.0 |" in text
+    assert "| ? | llama.cpp | all formats | ggml | 6 | 2.0 | 30.0 |" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("| 8b | ? | quantbench | int4 | eager |"))
     cols = [c.strip() for c in line.split("|")[1:-1]]
-    assert cols[3] == "8.00 B" and cols[5] == "332.0" and cols[6] == "136.0" and cols[8] == "2.59"  # 860/332
-    assert cols[9] == f"{(2 + 16 * 0.28 / 30 * 1e3) / 332:.2f}"  # quantbench int4 over llama.cpp Q4_0
-    assert "(cached)" in next(ln for ln in text.splitlines() if ln.startswith("| 1b | llama.cpp | Q8_0 |"))
-    assert "- quantbench int4 vs its 16-bit format: 1.5x at 1b, 2x at 8b (best 2.59x at 8b)." in text  # 1b: 1.80x
+    assert cols[5] == "8.00 B" and cols[7] == "332.0" and cols[8] == "136.0" and cols[11] == "2.11"  # 700/332
+    assert cols[12] == f"{(2 + 16 * 0.28 / 30 * 1e3) / 332:.2f}"  # quantbench int4 over llama.cpp Q4_0
+    assert cols[10] == "20.0"
+    eager16 = next(ln for ln in text.splitlines() if ln.startswith("| 8b | ? | quantbench | bf16 | eager |"))
+    assert eager16.split("|")[12].strip() == f"{700 / 860:.2f}"
+    peer = next(ln for ln in text.splitlines() if ln.startswith("| 8b | ? | llama.cpp | Q4_0 | ggml |"))
+    assert peer.split("|")[11].strip() == f"{16 * 0.28 / (2 + 16 * 0.28 / 30 * 1e3) * 1e3:.1f} (implied)"
+    assert "(cached)" in next(ln for ln in text.splitlines() if ln.startswith("| 1b | ? | llama.cpp | Q8_0 |"))
+    assert "- quantbench int4 vs its 16-bit format: 1.5x at 1b, 2x at 8b (best 2.11x at 8b)." in text  # 1b: 1.80x
+    # the verdict per format: below 0.75x, and the kernel alone streams below 0.75 of llama.cpp's implied rate
+    verdict = next(ln for ln in text.splitlines() if ln.startswith("- 8b, ? threads, int4 (eager):"))
+    assert "below 0.75" in verdict and "(the kernel is the gap)" in verdict
+    assert "- 8b, ? threads, bf16 (compiled): 700.0 ms/token" in text  # the best path of bf16, not its eager row
     assert scaling.write(tmp_path, rows)[0].stat().st_size > 10_000
     assert scaling.section(rows[:6]) == "" and scaling.write(tmp_path / "x", rows[:6]) == []  # one size: no section
 
@@ -292,5 +305,6 @@ def test_the_scaling_experiment_narrowed_to_the_tiny_presets(tmp_path):
     cells = invocation_cells(tmp_path / "scaling")
     assert {c["status"] for c in cells} == {"OK"} and {c["tags"]["model.arch"] for c in cells} == {"tiny", "tiny-qwen2"}
     text = (tmp_path / "scaling" / "report.md").read_text()
-    assert "## Scaling" in text and "| tiny | quantbench | int4 |" in text and "| tiny-qwen2 | quantbench | int4 |" in text
+    assert "## Scaling" in text and "| tiny | 2 | quantbench | int4 | eager |" in text
+    assert "| tiny-qwen2 | 2 | quantbench | int4 | eager |" in text
     assert (tmp_path / "scaling" / "scaling.png").is_file()

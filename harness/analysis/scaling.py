@@ -24,8 +24,19 @@ from pathlib import Path
 from harness.analysis import figures
 from harness.metrics import value
 
-PAIRS = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}  # quantbench format : llama.cpp format
-SIXTEEN = {"transformers": ("bf16", "none", "fp16"), "llama_cpp": ("BF16", "F16")}
+PAIRS = {"bf16": "BF16", "fp16": "F16", "int8": "Q8_0", "int4": "Q4_0"}  # quantbench format : llama.cpp format
+SIXTEEN = {"transformers": ("bf16", "none", "fp16", "auto16"), "llama_cpp": ("BF16", "F16")}
+TARGET = 0.75  # each format's best path against llama.cpp in the same format (#30)
+
+
+def _format(r: dict) -> str:
+    """The format a quantbench row stored: auto16/none read as what they resolved to (bf16 or fp16)."""
+    q, resolved = r["quantizer"], r["tags"].get("quantizer.resolved", "")
+    return f"{q}:{resolved}" if q in ("auto16", "none") and resolved else q
+
+
+def _pair(fmt: str) -> str:
+    return PAIRS.get(fmt.split(":")[-1], "")
 
 
 def points(rows: list[dict]) -> list[dict]:
@@ -37,7 +48,7 @@ def points(rows: list[dict]) -> list[dict]:
         if r["status"] != "OK" or not tps or not step:
             continue
         engine = t.get("engine", "transformers")
-        fmt = r["quantizer"]
+        fmt = _format(r)
         if engine == "llama_cpp":  # kernel_path llama.cpp[Q8_0:file] in results older than tag engine.format
             fmt = t.get("engine.format") or t.get("kernel_path", "[?:").split("[", 1)[-1].split(":", 1)[0]
         bw = value(m, "bandwidth_gb_per_s")
@@ -47,10 +58,15 @@ def points(rows: list[dict]) -> list[dict]:
                     "fraction": value(m, "roofline_fraction"), "peak_gb": (value(m, "peak_mem_mb") or 0) / 1024,
                     "est_gb": (value(m, "mem_estimate_mb") or 0) / 1024 or None, "load_s": value(m, "load_s"),
                     "cached": t.get("gguf_cache") == "hit", "bw": bw,
+                    "path": "ggml" if engine == "llama_cpp" else t.get("decode_path") or t.get("fast_path", "eager"),
+                    "threads": str(t.get("threads", "?")),
+                    # the one-row kernel's own rate (harness/measure/one_row.py); llama.cpp: bytes / its whole step
+                    "kernel_gbps": (step / 1e9) * tps if engine == "llama_cpp" else value(m, "kernel_stream_gbps"),
                     "linear": t.get("kernel.linear_share", "")})  # the profile: the linear kernel's share of a step
     sizes = {p["size"]: p["params"] for p in out}
     order = sorted(sizes, key=lambda s: sizes[s])
-    out.sort(key=lambda p: (order.index(p["size"]), p["engine"] != "transformers", -p["gb"]))
+    out.sort(key=lambda p: (order.index(p["size"]), p["threads"], p["engine"] != "transformers", -p["gb"],
+                            p["path"] == "eager"))
     return out
 
 
@@ -72,17 +88,62 @@ def _label(engine: str) -> str:
     return "llama.cpp" if engine == "llama_cpp" else "quantbench" if engine == "transformers" else engine
 
 
+def _key(p: dict) -> tuple[str, str]:
+    return p["size"], p["threads"]
+
+
 def _speedups(pts: list[dict]) -> dict[int, float]:
-    """Index -> speed over the same engine's 16-bit format at the same size."""
-    base = {(p["size"], p["engine"]): p["ms"] for p in pts if p["format"] in SIXTEEN.get(p["engine"], ())}
-    return {i: base[(p["size"], p["engine"])] / p["ms"] for i, p in enumerate(pts) if (p["size"], p["engine"]) in base}
+    """Index -> speed over the same engine's fastest 16-bit row (any path) at the same size and threads."""
+    base: dict[tuple, float] = {}
+    for p in pts:
+        if p["format"].split(":")[0] in SIXTEEN.get(p["engine"], ()):
+            k = (*_key(p), p["engine"])
+            base[k] = min(base.get(k, p["ms"]), p["ms"])
+    return {i: base[(*_key(p), p["engine"])] / p["ms"] for i, p in enumerate(pts) if (*_key(p), p["engine"]) in base}
+
+
+def _peer(pts: list[dict], p: dict) -> dict | None:
+    """llama.cpp's row in the format matching quantbench row `p`, at the same size and threads."""
+    want = _pair(p["format"])
+    return next((q for q in pts if q["engine"] == "llama_cpp" and _key(q) == _key(p) and q["format"] == want), None)
 
 
 def _vs_llama(pts: list[dict]) -> dict[int, float]:
-    """Index of a quantbench row -> its speed over llama.cpp's matching format at the same size."""
-    peer = {(p["size"], p["format"]): p["ms"] for p in pts if p["engine"] == "llama_cpp"}
-    return {i: peer[(p["size"], PAIRS[p["format"]])] / p["ms"] for i, p in enumerate(pts)
-            if p["engine"] == "transformers" and (p["size"], PAIRS.get(p["format"], "")) in peer}
+    """Index of a quantbench row -> its speed over llama.cpp's matching format at the same size and threads."""
+    out = {}
+    for i, p in enumerate(pts):
+        if p["engine"] == "transformers" and (peer := _peer(pts, p)) is not None:
+            out[i] = peer["ms"] / p["ms"]
+    return out
+
+
+def verdicts(pts: list[dict]) -> list[str]:
+    """Per size, threads and format: the best path against llama.cpp (>= TARGET?) and, below it, whether the
+    one-row kernel alone streams below TARGET of llama.cpp's implied rate (a slow kernel, not a slow step)."""
+    lines = []
+    best: dict[tuple, dict] = {}
+    for p in pts:
+        if p["engine"] == "transformers" and _pair(p["format"]):
+            k = (*_key(p), p["format"])
+            if k not in best or p["ms"] < best[k]["ms"]:
+                best[k] = p
+    for (size, threads, fmt), p in best.items():
+        peer = _peer(pts, p)
+        if peer is None:
+            continue
+        ratio = peer["ms"] / p["ms"]
+        line = (f"- {size}, {threads} threads, {fmt} ({p['path']}): {p['ms']:.1f} ms/token vs llama.cpp "
+                f"{peer['format']} {peer['ms']:.1f}: **{ratio:.2f}x** ({'meets' if ratio >= TARGET else 'below'} "
+                f"{TARGET})")
+        if p.get("kernel_gbps") and peer.get("kernel_gbps"):
+            k_ratio = p["kernel_gbps"] / peer["kernel_gbps"]
+            line += (f"; its one-row kernel streams {p['kernel_gbps']:.1f} GB/s alone = {k_ratio:.2f} of llama.cpp's "
+                     f"implied {peer['kernel_gbps']:.1f} GB/s")
+            if ratio < TARGET:
+                line += (" (the kernel is the gap)" if k_ratio < TARGET else
+                         " (the kernel keeps up: the rest of the step is the gap)")
+        lines.append(line + ".")
+    return lines
 
 
 def reading(pts: list[dict]) -> list[str]:
@@ -90,9 +151,13 @@ def reading(pts: list[dict]) -> list[str]:
     ups = _speedups(pts)
     lines = []
     for engine, fmt in sorted({(p["engine"], p["format"]) for p in pts}):
-        if fmt in SIXTEEN.get(engine, ()):
+        if fmt.split(":")[0] in SIXTEEN.get(engine, ()):
             continue
-        mine = [(pts[i]["size"], ups[i]) for i in ups if (pts[i]["engine"], pts[i]["format"]) == (engine, fmt)]
+        by_size: dict[str, float] = {}  # the best path's speedup per size (pts are in size order)
+        for i in sorted(ups):
+            if (pts[i]["engine"], pts[i]["format"]) == (engine, fmt):
+                by_size[pts[i]["size"]] = max(by_size.get(pts[i]["size"], 0.0), ups[i])
+        mine = list(by_size.items())
         if not mine:
             continue
         parts = []
@@ -121,25 +186,32 @@ def section(rows: list[dict]) -> str:
              "linear kernel (tag kernel.linear_share: low = fixed costs dominate); peak memory measured (estimated "
              "before loading); load = build/read + quantize (llama.cpp: GGUF write + llama_model_quantize unless "
              "cached). Figure: scaling.png.", "",
-             "| model | engine | format | params | GB/step | ms/token | roofline ms | fraction | × 16-bit | "
-             "× llama.cpp | linear | peak GB (est.) | load s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | threads | engine | format | path | params | GB/step | ms/token | roofline ms | fraction | "
+             "kernel GB/s | × best 16-bit | × llama.cpp | linear | peak GB (est.) | load s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(pts):
         load = f(p["load_s"], "{:.1f}") + (" (cached)" if p["cached"] else "")
         params = f"{p['params'] / 1e9:.2f} B" if p["params"] >= 1e9 else f"{p['params'] / 1e6:.2f} M"
-        lines.append(f"| {p['size']} | {_label(p['engine'])} | {p['format']} | {params} | "
+        kernel = f(p["kernel_gbps"], "{:.1f}") + (" (implied)" if p["engine"] == "llama_cpp" and p["kernel_gbps"] else "")
+        lines.append(f"| {p['size']} | {p['threads']} | {_label(p['engine'])} | {p['format']} | {p['path']} | {params} | "
                      f"{p['gb']:.3f} | {p['ms']:.1f} | {f(p['roofline_ms'], '{:.1f}')} | "
-                     f"{f(p['fraction'], '{:.2f}')} | {f(ups.get(i), '{:.2f}')} | {f(peers.get(i), '{:.2f}')} | "
+                     f"{f(p['fraction'], '{:.2f}')} | {kernel} | {f(ups.get(i), '{:.2f}')} | {f(peers.get(i), '{:.2f}')} | "
                      f"{p['linear'] or '—'} | {p['peak_gb']:.1f} ({f(p['est_gb'], '{:.1f}')}) | {load} |")
-    lines += ["", "### Fixed cost per step (least squares: ms/token = fixed + GB/step / bandwidth)", "",
-              "| engine | format | points | fixed ms/step | effective GB/s |", "|---|---|---|---|---|"]
-    groups: dict[tuple[str, str], list[dict]] = {}
+    lines += ["", "### Fixed cost per step (least squares over sizes: ms/token = fixed + GB/step / bandwidth)", "",
+              "| threads | engine | format | path | points | fixed ms/step | effective GB/s |",
+              "|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str, str, str], list[dict]] = {}
     for p in pts:
-        groups.setdefault((p["engine"], "all formats"), []).append(p)
-        groups.setdefault((p["engine"], p["format"]), []).append(p)
-    for (engine, fmt), sel in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "all formats", kv[0][1])):
+        groups.setdefault((p["threads"], p["engine"], "all formats", p["path"]), []).append(p)
+        groups.setdefault((p["threads"], p["engine"], p["format"], p["path"]), []).append(p)
+    for (threads, engine, fmt, path), sel in sorted(groups.items(), key=lambda kv: (kv[0][:2], kv[0][2] != "all formats",
+                                                                                    kv[0][2:])):
         got = fit(sel)
         if got is not None:
-            lines.append(f"| {_label(engine)} | {fmt} | {len(sel)} | {got[0]:.1f} | {got[1]:.1f} |")
+            lines.append(f"| {threads} | {_label(engine)} | {fmt} | {path} | {len(sel)} | {got[0]:.1f} | {got[1]:.1f} |")
+    if (found := verdicts(pts)):
+        lines += ["", f"Each format's best path against llama.cpp in the same format (target {TARGET}x; the kernel "
+                      "rate beside llama.cpp's bytes / whole step):", "", *found]
     found = reading(pts)
     if found:
         lines += ["", "Where the formats pay:", "", *found]
@@ -157,13 +229,13 @@ def write(folder: Path, rows: list[dict], title: str = "scaling") -> list[Path]:
 
     pts = points(rows)
     fig, ax = plt.subplots(figsize=(8.5, 6), dpi=110)
-    keys = sorted({(p["engine"], p["format"]) for p in pts})
+    keys = sorted({(p["engine"], p["format"], p["path"], p["threads"]) for p in pts})
     marks = {"transformers": "o", "llama_cpp": "s"}
     colors = plt.get_cmap("tab10")
-    for k, (engine, fmt) in enumerate(keys):
-        sel = [p for p in pts if (p["engine"], p["format"]) == (engine, fmt)]
+    for k, (engine, fmt, path, threads) in enumerate(keys):
+        sel = [p for p in pts if (p["engine"], p["format"], p["path"], p["threads"]) == (engine, fmt, path, threads)]
         ax.plot([p["gb"] for p in sel], [p["ms"] for p in sel], marks.get(engine, "^"), color=colors(k % 10),
-                label=f"{_label(engine)} {fmt}")
+                fillstyle="none" if path == "eager" else "full", label=f"{_label(engine)} {fmt} {path} {threads}t")
         for p in sel:
             ax.annotate(p["size"], (p["gb"], p["ms"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     xs = sorted(p["gb"] for p in pts)

@@ -172,7 +172,7 @@ def context_positions(measure: Any) -> int:
     return int(measure.context_depth + prompt + measure.max_new_tokens)
 
 
-def _backend(quantizer: Any) -> Any:
+def backend_of(quantizer: Any) -> Any:
     """The quantizer that really runs (the device table's choice for int8/int4, once preflight resolved it)."""
     try:
         return getattr(quantizer, "resolved", quantizer)
@@ -188,7 +188,7 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
     counts = model_counts(exp.model)
     if counts is None:
         return None
-    q = _backend(exp.quantizer)
+    q = backend_of(exp.quantizer)
     load = q.load_dtype(exp.model.dtype)
     fb = DTYPE_BYTES.get(load, 4)
     bits = min(float(q.max_bits_per_weight), 8.0 * fb) if q.quantizes else 8.0 * fb
@@ -210,6 +210,10 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
         parts["accuracy logits"] = acc.context_length * counts.vocab * 4.0 * 3
         if acc.kl:
             phases["reference"] = counts.params * DTYPE_BYTES.get(acc.reference_dtype, 4) + parts["accuracy logits"]
+    if exp.measure.compile and exp.measure.compile_freezing and not device.startswith("cuda"):
+        # inductor freezing folds the weights into new constant tensors (prepacked where oneDNN takes them)
+        # beside the module's own parameters: a second copy (harness/measure/paths.py)
+        parts["freezing copy"] = parts["weights"]
     est = Estimate(parts=parts, where="GPU memory" if device.startswith("cuda") else "RAM", phases=phases)
     fixed = parts["runtime"] + parts["KV cache"] + parts["activations"]
     int_peak = counts.largest_layer * 2 + counts.largest_layer_tensor * 8.0  # one bf16 layer + a fp32 work copy

@@ -14,7 +14,7 @@ from typing import Any
 from harness import measure, third_party_output
 from harness.analysis import accuracy, roofline, task_accuracy
 from harness.config import Experiment
-from harness.measure import fast_path, kernels, memory, workloads
+from harness.measure import fast_path, kernels, memory, one_row, paths, workloads
 from harness.measure.workloads import encode_prompts  # noqa: F401 - re-exported (benchmarks, tests)
 from harness.run.hooks import Outcome, Record, Session
 from strategies.decode import DepthContext
@@ -34,6 +34,7 @@ class TransformersEngine:
         exp.model.preflight()
         exp.quantizer.preflight(device)
         exp.strategy.preflight()
+        paths.settle(exp, device)  # measure.path / measure.gemv: the measured best path, or the one asked for
         fast_path.preflight(exp, device)  # compile=true with a non-compilable quantizer fails here, before loading
 
     def memory_estimate(self, exp: Experiment, device: str) -> Any:
@@ -94,7 +95,7 @@ class TransformersSession(Session):
             exp.strategy.setup(model=self.model, tokenizer=self.tokenizer, opts=opts, experiment=exp)
         self.decoding = True
         path = fast_path.preflight(exp, self.device)  # compiled | eager | eager-fallback
-        tags = {"fast_path": path}
+        tags = {"fast_path": path, **paths.settle(exp, self.device).tags()}
         self.fast = fast_path.prepare(exp, self.model, opts, batches, path)  # compiles (untimed: metric compile_s)
         if self.fast is not None:
             tags["fast_path.attention"] = ("sdpa, packed GQA" if self.fast.packed_gqa
@@ -118,6 +119,8 @@ class TransformersSession(Session):
     def kernel_profile(self, batch: list[list[int]], opts: Any, log_file: Path) -> Record:
         with third_party_output(log_file):  # kineto prints USDT profiler_start/stop lines from C++
             tags, metrics = kernels.profile_linear(self.exp.strategy, self.model, batch, opts)
+        # the kernel's own streaming rate: every weight matrix once at one row, timed alone (harness/measure/one_row.py)
+        metrics.update(one_row.stream_rate(self.model, self.model.dtype, self.device, opts.gemv_aten))
         return metrics, tags
 
     def end_decoding(self) -> None:

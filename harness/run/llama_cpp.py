@@ -35,13 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from harness import gguf_meta, measure, third_party_output
+from harness import env, gguf_meta, measure, third_party_output
 from harness.analysis import accuracy
 from harness.analysis.roofline import ModelShape, shape_from_gguf
 from harness.cache import build_lock, cache_root, file_key, require_free, short_hash
 from harness.config import Experiment
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.measure import memory, workloads
+from harness.measure.one_row import gemv_choice, sixteen_choice
 from harness.measure.workloads import encode_prompts  # noqa: F401 - re-exported (tests)
 from harness.run import llama_cpp_lm
 from harness.run.hooks import Record, Session
@@ -107,16 +108,22 @@ def _convert(src: Path, out: Path, fmt: str, threads: int, n_weights: int) -> Pa
     return out
 
 
+def sixteen_format(device: str) -> str:
+    """engine.format=auto16: F16 or BF16, as quantizer=auto16 (with its default measure.gemv) picks on this CPU."""
+    aten = gemv_choice("auto", device, env.cpu_info())[0] == "aten"
+    return {"float16": "F16", "bfloat16": "BF16"}[sixteen_choice(device, aten)[0]]
+
+
 @dataclass
 class LlamaCppEngine:
     """Run the model's GGUF through llama.cpp (see module docstring)."""
 
-    format: str = "gguf"  # gguf (as shipped) | F32 | BF16 | F16 | Q8_0 | Q4_0 | Q4_1
+    format: str = "gguf"  # gguf (as shipped) | F32 | BF16 | F16 | Q8_0 | Q4_0 | Q4_1 | auto16 (BF16 or F16 as quantizer=auto16)
     n_batch: int = 512  # llama.cpp logical batch for prompt processing
     kv_type: str = "f16"  # llama.cpp's default KV cache type (2 bytes per element; roofline counts it)
 
     def __post_init__(self) -> None:
-        problems = [e for e in (one_of("engine.format", self.format, list(FORMATS)),
+        problems = [e for e in (one_of("engine.format", self.format, [*FORMATS, "auto16"]),
                                 one_of("engine.kv_type", self.kv_type, ("f16",))) if e]
         if not isinstance(self.n_batch, int) or self.n_batch <= 0:
             problems.append(f"engine.n_batch={self.n_batch!r} must be > 0")
@@ -163,6 +170,8 @@ class LlamaCppEngine:
             raise QuantbenchError(f"engine=llama_cpp is built for CPU here (device {device}); "
                                   "use measure.device=cpu")
         exp.model.preflight()
+        if self.format == "auto16":  # the 16-bit format quantizer=auto16 picks on this CPU (harness/measure/one_row.py)
+            self.format = sixteen_format(device)
         path = exp.model.gguf_path
         if path is None or not (Path(path).is_file() or exp.model.builds_gguf):  # random weights: written at load
             raise QuantbenchError(f"engine=llama_cpp: GGUF file {path} not found")

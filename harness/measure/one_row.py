@@ -1,0 +1,139 @@
+"""One-row kernels: what a batch-1 decode step's matmuls stream, measured alone.
+
+- `gemv_off_onednn(active)`: the context a batch-1 decode step runs in under `measure.gemv=aten`
+  (harness/measure/paths.py says why: oneDNN's one-row bf16 matmul streams ~0.6x of ATen's GEMV on Zen 4).
+- `stream_rate(model, ...)`: every weight matrix of the model (body linears and the output head), each
+  called once with one row, the way a decode step calls it: metrics `kernel_stream_gbps` (stored bytes of
+  those matrices / the matmul ops' own time in the profiler), `kernel_stream_ms` (that time),
+  `kernel_stream_wall_ms` (the pass by the wall clock, Python and dispatch included: median of 3) and
+  `kernel_stream_gb`. Set beside a run's ms/token it tells a slow kernel from a slow step.
+- `sixteen_choice(device)`: `quantizer=auto16` / `engine.format=auto16`: bf16 or fp16, whichever one-row
+  kernel streams faster on this CPU, measured once per host and torch version (cached) and recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from harness import env
+from harness.cache import cache_root
+from harness.measure import now, sync
+from harness.measure.kernels import is_linear_op
+from quantizers.base import module_bytes
+from strategies.decode import OneDnnOff
+
+log = logging.getLogger("quantbench")
+GB = 1e9
+# measure.gemv=auto: where ATen's one-row GEMV beats oneDNN's for 16-bit weights (module docstring)
+GEMV: dict[str, tuple[str, str]] = {
+    "zen4": ("aten", "benchmarks/cpu_kernels.py --one-row on AMD EPYC family 25 model 17 (Zen 4), 2026-12-05: "
+                     "bf16 one row 31 GB/s ATen vs 19 oneDNN"),
+    "zen5": ("aten", "Zen 4's row (same ISA line; not re-measured on Zen 5)"),
+}
+FP16_MARGIN = 1.10  # fp16 only when it streams >= 10% faster: without AVX512_FP16 its prefill is ~10x slower
+
+
+def gemv_off_onednn(active: bool) -> contextlib.AbstractContextManager:
+    """oneDNN off for the duration (ATen's GEMV takes one-row matmuls); a no-op when not `active`."""
+    return OneDnnOff() if active else contextlib.nullcontext()
+
+
+def gemv_choice(setting: str, device: str, cpu: env.CpuInfo) -> tuple[str, str]:
+    if not device.startswith("cpu"):
+        return "n/a", f"measure.gemv applies to CPU runs ({device})"
+    if setting != "auto":
+        return setting, f"measure.gemv={setting}"
+    if not cpu.native_bf16:
+        return "aten", "bf16 is not native on this CPU: oneDNN does not take bf16 matmuls, ATen's GEMV runs either way"
+    return GEMV.get(cpu.uarch, ("onednn", f"no measured row for {cpu.uarch or cpu.isa}: torch's own dispatch"))
+
+
+def _matrices(model: Any) -> list[tuple[Any, int, int]]:
+    """(module, in_features, stored bytes) of every linear-like module holding a weight matrix, head included."""
+    seen: set[Any] = set()
+    out = []
+    for _, mod in model.named_modules():
+        k = getattr(mod, "in_features", None)
+        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+        if not isinstance(k, int) or not own:
+            continue  # not a matmul, or a wrapper whose inner linear is counted
+        out.append((mod, int(k), int(module_bytes(mod, seen))))
+    return out
+
+
+@torch.inference_mode()
+def stream_rate(model: Any, dtype: torch.dtype, device: str, gemv_aten: bool, repeats: int = 3) -> dict[str, float]:
+    """Metrics `kernel_stream_gbps` / `_ms` / `_gb`: each weight matrix once at one row (module docstring)."""
+    mats = _matrices(model)
+    if not mats:
+        return {}
+    xs = {k: torch.randn(1, 1, k, dtype=dtype, device=device) for k in {k for _, k, _ in mats}}
+
+    def one_pass() -> float:
+        sync(device)
+        t0 = now()
+        for mod, k, _ in mats:
+            mod(xs[k])
+        sync(device)
+        return now() - t0
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with gemv_off_onednn(gemv_aten and device.startswith("cpu")):
+        one_pass()  # first touch, kernel selection
+        wall = statistics.median(one_pass() for _ in range(repeats))
+        # the kernels' own time: the self time of the matmul ops, without the Python and dispatch around them
+        # (a tensor subclass's unwrapping costs ~50-100 us per call on 2 cores: 10 ms over a 1B model's 113 calls)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            one_pass()
+    kernel_s = sum(e.self_cpu_time_total for e in prof.key_averages() if is_linear_op(e.key)) / 1e6
+    total = float(sum(b for _, _, b in mats))
+    out = {"kernel_stream_gb": total / GB, "kernel_stream_wall_ms": wall * 1e3}
+    if kernel_s > 0:  # a compiled or opaque kernel the profiler cannot see leaves only the wall time
+        out.update({"kernel_stream_gbps": total / kernel_s / GB, "kernel_stream_ms": kernel_s * 1e3})
+    return out
+
+
+def rates(dtypes: tuple[torch.dtype, ...], gemv_aten: bool, n: int = 4096, mats: int = 8,
+          rounds: int = 3) -> dict[str, float]:
+    """GB/s of a one-row `F.linear` per dtype over `mats` n x n weights (beyond the caches), interleaved."""
+    ws = {dt: [torch.randn(n, n).to(dt) * 0.02 for _ in range(mats)] for dt in dtypes}
+    xs = {dt: torch.randn(1, n).to(dt) for dt in dtypes}
+    out: dict[str, list[float]] = {str(dt).replace("torch.", ""): [] for dt in dtypes}
+    with gemv_off_onednn(gemv_aten), torch.inference_mode():
+        for r in range(rounds + 1):
+            for dt in (dtypes if r % 2 else tuple(reversed(dtypes))):
+                t0 = time.perf_counter()
+                for w in ws[dt]:
+                    torch.nn.functional.linear(xs[dt], w)
+                if r:  # round 0 warms up
+                    out[str(dt).replace("torch.", "")].append(mats * n * n * 2 / (time.perf_counter() - t0) / GB)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def sixteen_choice(device: str, gemv_aten: bool) -> tuple[str, str]:
+    """(dtype, why): bf16 or fp16 for auto16 on `device`, from this host's measured one-row rates (cached)."""
+    if not device.startswith("cpu"):
+        return "bfloat16", f"{device}: bf16 (GPU GEMV streams both 16-bit formats alike; not measured here)"
+    cpu = env.cpu_info()
+    key = f"{cpu.vendor}-{cpu.family}-{cpu.model}-{cpu.isa}-{torch.__version__}-{torch.get_num_threads()}t-" \
+          f"{'aten' if gemv_aten else 'default'}".replace(" ", "_")
+    path = cache_root() / "auto16" / f"{key}.json"
+    try:
+        measured = json.loads(path.read_text())
+    except (OSError, ValueError):
+        measured = rates((torch.bfloat16, torch.float16), gemv_aten)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(measured))
+    bf, fp = measured["bfloat16"], measured["float16"]
+    pick = "float16" if fp >= FP16_MARGIN * bf else "bfloat16"
+    why = (f"one-row GEMV on this CPU ({cpu.uarch or cpu.isa}, {torch.get_num_threads()} threads, measured once "
+           f"per host): bf16 {bf:.1f} GB/s, fp16 {fp:.1f} GB/s; fp16 only when >= {FP16_MARGIN:.2f}x bf16")
+    return pick, why

@@ -1,0 +1,191 @@
+"""The decode path of a run: `measure.path` (eager | compiled | freezing | best) and `measure.gemv` on CPU.
+
+A format's speed on a CPU is the speed of the path its decode step takes, so a comparison of formats must
+put each on its fastest path and say which one ran. Two choices make up that path:
+
+- `measure.path`: `eager`; `compiled` (torch.compile of the decode step, static cache); `freezing`
+  (compiled with inductor freezing: weights become constants, prepacked where oneDNN takes them, a tensor
+  subclass unwrapped once); `best` (default) reads `PATHS` below, measured per CPU line, format and size.
+- `measure.gemv`: which kernel a one-row 16-bit matmul (batch-1 decode) reaches on CPU. `aten` runs the
+  decode step with oneDNN switched off, so ATen's own GEMV (fp32 accumulation, AVX-512) streams the weights;
+  `onednn` leaves torch's dispatch alone; `auto` reads `GEMV`. Only the batch-1 decode steps of the shared
+  loop (strategies/decode.py) are affected: prefill, scoring and batches keep oneDNN, which is faster there.
+
+Why `aten` (AMD EPYC family 25 model 17, Zen 4, AVX-512 + native bf16, torch 2.13, 2 threads; interleaved,
+`benchmarks/cpu_kernels.py --one-row`): one 14336 x 4096 bf16 weight at one row streams 19 GB/s through
+oneDNN and 31 GB/s through ATen's GEMV (fp16 through ATen 33, zentorch 2.13.0.2 31-32); on 1 thread 11 vs
+22. A Llama-3.2-1B decode step (eager, bf16) went from 165.6 to 75.9 ms with it. oneDNN takes bf16
+matmuls only where bf16 is native, so on AVX2 CPUs (Zen 3) both settings run the same ATen kernel.
+
+Refusals and fallbacks (`settle`, before anything loads): `best` takes its row's path, or the next one
+down (freezing -> compiled -> eager) when the path cannot run: the quantizer cannot compile, freezing's
+prepacked copies do not fit in memory, or the compile estimate passes the sweep's `sweep.timeout_s`; tag
+`decode_path.by` says which and why. An explicit `measure.path` that cannot run is refused in one line.
+
+Add a row: measure the paths with benchmarks/cpu_kernels.py on that CPU (`--arch` for a size), then add a
+`Row` with the command, host and numbers in `source`. Rows are matched most specific first (uarch, then
+ISA line), then by the largest `min_params` not above the model's parameter count.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from harness import env
+from harness.errors import QuantbenchError
+from harness.measure import fast_path, memory
+from harness.measure.one_row import gemv_choice
+
+log = logging.getLogger("quantbench")
+
+ORDER = ("freezing", "compiled", "eager")  # best path first; a path that cannot run falls to the next one
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured choice: on `cpu` (a `cpu.uarch` like zen4, or a `cpu.isa` line), for `fmt` (16 | int8 |
+    int4) from `min_params` parameters up, the decode step takes `path`; `source` says how that was measured."""
+
+    cpu: str
+    fmt: str
+    min_params: float
+    path: str
+    source: str
+
+
+ZEN4_1B = ("benchmarks/cpu_kernels.py --arch llama-3.2-1b --paths eager,compiled,compiled+freezing, AMD EPYC "
+           "family 25 model 17 (Zen 4), 2 threads, 2026-12-05")
+PATHS: tuple[Row, ...] = (
+    # below 1B no row: a default run (SmolLM2-135M, ~800 decode steps) saves less than the ~20-30 s a compile
+    # costs, and tests use tiny models; eager is the path there
+    Row("zen4", "16", 1e9, "compiled", f"{ZEN4_1B}: bf16 eager 13.4, compiled 14.0, freezing 13.3 tok/s "
+                                       "(freezing also holds a second copy of the weights)"),
+    Row("zen4", "int8", 1e9, "compiled", f"{ZEN4_1B}: int8 eager 14.0-14.1, compiled 14.7-15.1, freezing "
+                                         "14.6-15.1 tok/s (int8 head: 14.0 / 15.5 / 15.2)"),
+    Row("zen4", "int4", 1e9, "compiled", f"{ZEN4_1B}: int4 eager 18.6, compiled 21.6, freezing 21.3 tok/s "
+                                         "(int8 head: 18.8 / 22.2 / 22.4: a tie)"),
+    # Zen 5 shares Zen 4's ISA line (AVX-512 + native bf16); not re-measured there at 1B: the Zen 4 rows
+    Row("avx512_bf16", "16", 1e9, "compiled", f"Zen 4's row ({ZEN4_1B}); not measured on this CPU"),
+    Row("avx512_bf16", "int8", 1e9, "compiled", f"Zen 4's row ({ZEN4_1B}); not measured on this CPU"),
+    Row("avx512_bf16", "int4", 1e9, "compiled", f"Zen 4's row ({ZEN4_1B}); not measured on this CPU"),
+    # Zen 3 (AVX2, emulated bf16), SmolLM2-135M (docs/fast_path.md): compiled 1.3-2x eager for every format
+    Row("avx2", "16", 1e9, "compiled", "benchmarks/cpu_kernels.py, AMD EPYC family 25 model 1 (Zen 3), 135M, "
+                                       "2026-12-04: bf16 compiled 37.9 vs eager 17.1 tok/s (not measured at 1B)"),
+    Row("avx2", "int8", 1e9, "compiled", "the same run: int8 compiled 41.2 vs eager 21.7 tok/s"),
+    Row("avx2", "int4", 1e9, "freezing", "the same run: int4 freezing 39.0, compiled 36.7, eager 20.4 tok/s"),
+)
+@dataclass
+class Choice:
+    """What `settle` decided: the decode path, the one-row kernel, and why each."""
+
+    path: str
+    by: str
+    gemv: str
+    gemv_by: str
+    requested: str
+
+    def tags(self) -> dict[str, str]:
+        return {"measure.path": self.requested, "decode_path": self.path, "decode_path.by": self.by,
+                "kernel.gemv": self.gemv, "kernel.gemv_by": self.gemv_by}
+
+
+def format_class(quantizer: Any) -> str:
+    """16 | int8 | int4 | other: the column of the table a quantizer reads (by the bits it stores)."""
+    if getattr(quantizer, "bits", None) in ("int8", "int4"):  # quantizer=int8/int4 (quantizers/auto.py)
+        return quantizer.bits
+    q = memory.backend_of(quantizer)
+    if not getattr(q, "quantizes", False):
+        return "other" if getattr(quantizer, "name", "") == "fp32" else "16"
+    bits = float(getattr(q, "max_bits_per_weight", 32.0))
+    return "int4" if bits <= 6 else "int8" if bits <= 10 else "other"
+
+
+def lookup(cpu: env.CpuInfo, fmt: str, params: float | None) -> Row | None:
+    """The most specific row for this CPU, format and size (None: eager)."""
+    if params is None:
+        return None
+    for key in (cpu.uarch, cpu.isa):
+        rows = [r for r in PATHS if key and r.cpu == key and r.fmt == fmt and r.min_params <= params]
+        if rows:
+            return max(rows, key=lambda r: r.min_params)
+    return None
+
+
+def compile_estimate_s(layers: int, weight_bytes: float, freezing: bool) -> float:
+    """A generous bound on the compile warmup (measured: 18-35 s for 16-32 layers on 2 cores; freezing
+    folds and prepacks every weight, ~2 GB/s)."""
+    return 20.0 + 2.0 * layers + (weight_bytes / GB * 3.0 if freezing else 0.0)
+
+
+def blocker(path: str, exp: Any, device: str, avail: float | None = None) -> str:
+    """Why `path` cannot run for `exp` ("" when it can)."""
+    if path == "eager":
+        return ""
+    if not exp.strategy.stepwise:
+        return f"strategy {exp.strategy.name} runs its own loop (only the shared decode loop compiles)"
+    if (reason := fast_path.compile_blocker(exp.quantizer, device)):
+        return reason
+    counts = memory.model_counts(exp.model)
+    if counts is None:
+        return ""
+    est = memory.transformers_estimate(exp, device)
+    weights = est.parts["weights"] if est is not None else 0.0
+    if path == "freezing" and est is not None and device.startswith("cpu"):
+        # the folded constants are new tensors next to the module's own parameters: a second copy
+        need = est.total + weights
+        have = avail if avail is not None else memory.available_bytes(device)[0]
+        if need > have:
+            return (f"freezing holds a prepacked copy of the weights: ~{need / GB:.1f} GB at peak but "
+                    f"{have / GB:.1f} GB is available")
+    timeout = float(((exp.config or {}).get("sweep") or {}).get("timeout_s") or 0)
+    guess = compile_estimate_s(counts.layers, weights, path == "freezing")
+    if timeout and guess > timeout * 0.5:
+        return f"compiling takes up to ~{guess:.0f} s here, more than half of sweep.timeout_s={timeout:g}"
+    return ""
+
+
+def settle(exp: Any, device: str) -> Choice:
+    """Resolve `measure.path` and `measure.gemv` for this run, set the measure knobs that implement them,
+    and remember the choice on `exp` (idempotent: run.py and the runner both call it)."""
+    done = getattr(exp, "decode_choice", None)
+    if done is not None:
+        return done
+    m = exp.measure
+    cpu = env.cpu_info()
+    gemv, gemv_by = gemv_choice(m.gemv, device, cpu)
+    requested = m.path
+    if m.compile:  # the low-level switches were set by hand: they win, and say so
+        path = "freezing" if m.compile_freezing else "compiled"
+        choice = Choice(path, "measure.compile=true", gemv, gemv_by, requested)
+    elif requested != "best":
+        if (why := blocker(requested, exp, device)):
+            raise QuantbenchError(f"measure.path={requested} cannot run: {why}; use measure.path=best (picks the "
+                                  "fastest path that can) or measure.path=eager")
+        choice = Choice(requested, f"measure.path={requested}", gemv, gemv_by, requested)
+    else:
+        fmt = format_class(exp.quantizer)
+        row = lookup(cpu, fmt, (c.params if (c := memory.model_counts(exp.model)) else None)) \
+            if device.startswith("cpu") else None
+        if row is None:
+            where = f"{cpu.uarch or cpu.isa} {fmt}" if device.startswith("cpu") else device
+            choice = Choice("eager", f"no measured row for {where} at this size (harness/measure/paths.py)",
+                            gemv, gemv_by, requested)
+        else:
+            by, path = f"{row.cpu} {row.fmt} >= {row.min_params / 1e9:g}B params: {row.source}", row.path
+            for candidate in ORDER[ORDER.index(row.path):]:
+                why = blocker(candidate, exp, device)
+                if not why:
+                    path = candidate
+                    break
+                by = f"{candidate} refused ({why}); {by}"
+                log.warning("measure.path=best: %s cannot run (%s); trying the next path", candidate, why)
+            choice = Choice(path, by, gemv, gemv_by, requested)
+    if choice.path != "eager":
+        m.cache, m.compile = "static", True
+        m.compile_freezing = choice.path == "freezing"
+        m.compile_skip_guards = True  # safe on this path (docs/fast_path.md); compiled_match re-checks the tokens
+    exp.decode_choice = choice
+    return choice

@@ -1,0 +1,158 @@
+"""The decode path (measure.path), the one-row kernel (measure.gemv), auto16 and the kernel streaming rate.
+
+Resolution is checked without loading a model (the Llama-3.2-1B preset is counted from its config): which
+row of the measured table a CPU, format and size read; the fallbacks when freezing does not fit or a
+compile would not finish in the sweep's timeout; one-line refusals of an explicit path that cannot run.
+The gemv switch is checked where it acts: oneDNN is off inside batch-1 decode steps only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import env
+from harness.config import build, compose
+from harness.env import CpuInfo
+from harness.errors import ConfigError, QuantbenchError
+from harness.measure import memory, one_row, paths
+from harness.run import llama_cpp, runner
+from strategies.base import DecodeOptions
+from strategies.decode import greedy_generate
+
+ZEN4 = CpuInfo(vendor="AuthenticAMD", family="25", model="17", model_name="AMD EPYC 9004",
+               flags=frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}))
+ZEN3 = CpuInfo(vendor="AuthenticAMD", family="25", model="1", model_name="AMD EPYC 7003",
+               flags=frozenset({"avx2", "fma"}))
+ONE_B = ["model=random", "model.arch=llama-3.2-1b", "measure.prompts=synthetic:1", "measure.prompt_tokens=8",
+         "measure.max_new_tokens=4", "measure.device=cpu"]
+
+
+def _exp(*overrides: str):
+    exp = build(compose([*ONE_B, *overrides]))
+    exp.quantizer.preflight("cpu")  # int8/int4: the device table's backend (what the engine does first)
+    return exp
+
+
+@pytest.fixture()
+def zen4(monkeypatch):
+    monkeypatch.setattr(env, "cpu_info", lambda: ZEN4)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (64e9, "test"))
+
+
+def test_best_reads_the_measured_row_for_this_cpu_format_and_size(zen4, monkeypatch):
+    exp = _exp("quantizer=bf16")
+    choice = paths.settle(exp, "cpu")
+    assert (choice.path, choice.gemv) == ("compiled", "aten")
+    assert exp.measure.compile and exp.measure.cache == "static" and not exp.measure.compile_freezing
+    assert choice.by.startswith("zen4 16 >= 1B params") and "cpu_kernels.py" in choice.by
+    assert paths.settle(exp, "cpu") is choice  # idempotent: run.py and the runner both call it
+    assert paths.settle(_exp("quantizer=int4"), "cpu").path == "compiled"
+    tiny = build(compose(["model=tiny_random", "quantizer=bf16"]))  # below 1B: no row, eager
+    assert paths.settle(tiny, "cpu").path == "eager" and not tiny.measure.compile
+    monkeypatch.setattr(env, "cpu_info", lambda: ZEN3)  # the ISA line's row, and no oneDNN bf16 to avoid
+    z3 = paths.settle(_exp("quantizer=int4"), "cpu")
+    assert z3.path == "freezing" and z3.by.startswith("avx2 int4") and z3.gemv == "aten" and "not native" in z3.gemv_by
+    assert paths.settle(_exp("quantizer=bf16", "measure.gemv=onednn"), "cpu").gemv == "onednn"
+
+
+def test_best_falls_back_when_freezing_does_not_fit_or_a_compile_would_time_out(zen4, monkeypatch):
+    monkeypatch.setattr(env, "cpu_info", lambda: ZEN3)  # Zen 3's int4 row is freezing
+    exp = _exp("quantizer=int4")
+    est = memory.transformers_estimate(exp, "cpu")
+    # room for the run, not for freezing's second copy of the weights
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (est.total + est.parts["weights"] * 0.5, "test"))
+    choice = paths.settle(exp, "cpu")
+    assert choice.path == "compiled" and choice.by.startswith("freezing refused (freezing holds a prepacked copy")
+    assert exp.measure.compile and not exp.measure.compile_freezing
+    slow = _exp("quantizer=bf16")
+    slow.config["sweep"] = {"timeout_s": 40}  # 1B (16 layers): the compile estimate is 52 s, over half of 40
+    choice = paths.settle(slow, "cpu")
+    assert choice.path == "eager" and "compiled refused (compiling takes up to ~52 s" in choice.by
+    assert not slow.measure.compile
+
+
+def test_freezing_is_counted_in_the_memory_estimate(zen4):
+    exp = _exp("quantizer=int4", "measure.path=freezing")
+    paths.settle(exp, "cpu")
+    est = memory.transformers_estimate(exp, "cpu")
+    assert est.parts["freezing copy"] == est.parts["weights"] > 0
+
+
+def test_an_explicit_path_that_cannot_run_is_refused_in_one_line(zen4, monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (3.0e9, "test"))
+    with pytest.raises(QuantbenchError) as err:
+        paths.settle(_exp("quantizer=bf16", "measure.path=freezing"), "cpu")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("measure.path=freezing cannot run: freezing holds a prepacked copy")
+    assert "measure.path=best" in msg
+    with pytest.raises(QuantbenchError, match="strategy Speculative-model4 runs its own loop"):
+        paths.settle(build(compose(["model=tiny_random", "strategy=speculative", "measure.path=compiled"])), "cpu")
+    with pytest.raises(ConfigError) as bad:
+        build(compose(["model=tiny_random", "measure.path=fast", "measure.gemv=mkl"]))
+    assert "measure.path='fast' is not allowed" in str(bad.value) and "freezing" in str(bad.value)
+    assert "measure.gemv='mkl'" in str(bad.value)  # both problems in one error
+
+
+def test_gemv_aten_switches_onednn_off_inside_batch_1_decode_steps_only(tiny_llama):
+    seen: list[tuple[int, bool]] = []
+    hook = tiny_llama.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append((kwargs["input_ids"].shape[1], torch.backends.mkldnn.enabled)),
+        with_kwargs=True)
+    try:
+        greedy_generate(tiny_llama, [[5, 6, 7, 8]], DecodeOptions(max_new_tokens=4, gemv_aten=True))
+        assert seen[0] == (4, True) and seen[1:] == [(1, False)] * 3  # prefill keeps oneDNN; decode steps do not
+        assert torch.backends.mkldnn.enabled  # restored
+        seen.clear()
+        greedy_generate(tiny_llama, [[5, 6, 7, 8], [9, 10, 11, 12]], DecodeOptions(max_new_tokens=3, gemv_aten=True))
+        assert all(on for _, on in seen)  # batch 2: more than one row per matmul, oneDNN stays
+        seen.clear()
+        greedy_generate(tiny_llama, [[5, 6, 7, 8]], DecodeOptions(max_new_tokens=3))
+        assert all(on for _, on in seen)
+    finally:
+        hook.remove()
+
+
+@pytest.fixture()
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_stream_rate_reads_every_weight_matrix_once_head_included(tiny_llama):
+    got = one_row.stream_rate(tiny_llama, torch.float32, "cpu", gemv_aten=True, repeats=1)
+    # 2 layers x (q 32x32, k 32x16, v 32x16, o 32x32, gate/up/down 3 x 32x64) + the tied 64x32 head, fp32
+    expect = (2 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 64) + 64 * 32) * 4
+    assert got["kernel_stream_gb"] * 1e9 == pytest.approx(expect)
+    assert 0 < got["kernel_stream_ms"] <= got["kernel_stream_wall_ms"]  # the kernels' own time, dispatch excluded
+    assert got["kernel_stream_gbps"] == pytest.approx(expect / 1e9 / (got["kernel_stream_ms"] / 1e3))
+
+
+def test_auto16_picks_what_streams_faster_records_why_and_llama_cpp_follows(zen4, monkeypatch, tmp_path):
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(one_row, "rates", lambda *a, **k: {"bfloat16": 30.0, "float16": 34.0})
+    assert one_row.sixteen_choice("cpu", True)[0] == "float16"  # 34 >= 1.10 x 30
+    assert llama_cpp.sixteen_format("cpu") == "F16"
+    monkeypatch.setattr(one_row, "rates", lambda *a, **k: pytest.fail("measured twice"))  # cached per host
+    dtype, why = one_row.sixteen_choice("cpu", True)
+    assert dtype == "float16" and "bf16 30.0 GB/s, fp16 34.0 GB/s" in why
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(one_row, "rates", lambda *a, **k: {"bfloat16": 30.0, "float16": 32.0})
+    assert one_row.sixteen_choice("cpu", True)[0] == "bfloat16" and llama_cpp.sixteen_format("cpu") == "BF16"
+    q = build(compose(["model=tiny_random", "quantizer=auto16"])).quantizer
+    q.preflight("cpu")
+    assert q.name == "auto16" and q.dtype == "bfloat16"
+
+
+def test_a_run_records_its_path_its_kernel_and_the_kernels_streaming_rate(results_overrides):
+    result = runner.execute(build(compose(["model=tiny_random", "quantizer=bf16", "measure.max_new_tokens=4",
+                                           "measure.repetitions=1", "measure.warmup=0", "accuracy.enabled=false",
+                                           *results_overrides])))
+    t, m = result.tags, result.metrics
+    assert t["measure.path"] == "best" and t["decode_path"] == "eager" and t["decode_path.by"].startswith("no measured")
+    assert t["kernel.gemv"] in ("aten", "onednn") and t["kernel.gemv_by"]
+    assert m["kernel_stream_gb"] > 0 and m["kernel_stream_gbps"] > 0
