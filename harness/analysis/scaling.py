@@ -180,12 +180,15 @@ def section(rows: list[dict]) -> str:
         return "—" if v is None else fmt.format(v)
 
     lines = ["", "## Scaling: decode cost against bytes read per step", "",
-             "ms/token at batch 1; roofline = bytes per step / measured bandwidth; × 16-bit = speed over the same "
-             "engine's 16-bit format at that size; × llama.cpp = quantbench's speed over llama.cpp's matching "
-             "format (bf16 : BF16, int8 : Q8_0, int4 : Q4_0); linear = the profiled share of a decode step spent in the "
-             "linear kernel (tag kernel.linear_share: low = fixed costs dominate); peak memory measured (estimated "
-             "before loading); load = build/read + quantize (llama.cpp: GGUF write + llama_model_quantize unless "
-             "cached). Figure: scaling.png.", "",
+             "ms/token at batch 1; path = the decode path that ran (tag decode_path: best paths and eager series; "
+             "llama.cpp: ggml); roofline = bytes per step / measured bandwidth; kernel GB/s = the format's one-row "
+             "kernel streaming every weight matrix once, timed alone (metric kernel_stream_gbps), beside llama.cpp's "
+             "bytes per step / its whole step (implied); × best 16-bit = speed over the same engine's fastest 16-bit "
+             "row at that size and thread count; × llama.cpp = quantbench's speed over llama.cpp's matching format "
+             "(bf16 : BF16, fp16 : F16, int8 : Q8_0, int4 : Q4_0); linear = the profiled share of a decode step spent "
+             "in the linear kernel (tag kernel.linear_share); peak memory measured (estimated before loading); load = "
+             "build/read + quantize (llama.cpp: GGUF write + llama_model_quantize unless cached). Figure: "
+             "scaling.png.", "",
              "| model | threads | engine | format | path | params | GB/step | ms/token | roofline ms | fraction | "
              "kernel GB/s | × best 16-bit | × llama.cpp | linear | peak GB (est.) | load s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
