@@ -119,8 +119,8 @@ class TransformersSession(Session):
     def kernel_profile(self, batch: list[list[int]], opts: Any, log_file: Path) -> Record:
         with third_party_output(log_file):  # kineto prints USDT profiler_start/stop lines from C++
             tags, metrics = kernels.profile_linear(self.exp.strategy, self.model, batch, opts)
-        # the kernel's own streaming rate: every weight matrix once at one row, timed alone (harness/measure/one_row.py)
-        metrics.update(one_row.stream_rate(self.model, self.model.dtype, self.device, opts.gemv_aten))
+            # the kernel's own streaming rate: every weight matrix once at one row (harness/measure/one_row.py)
+            metrics.update(one_row.stream_rate(self.model, self.model.dtype, self.device, opts.gemv_aten))
         return metrics, tags
 
     def end_decoding(self) -> None:
