@@ -167,8 +167,8 @@ def settle(exp: Any, device: str) -> Choice:
         choice = Choice(requested, f"measure.path={requested}", gemv, gemv_by, requested)
     else:
         fmt = format_class(exp.quantizer)
-        row = lookup(cpu, fmt, (c.params if (c := memory.model_counts(exp.model)) else None)) \
-            if device.startswith("cpu") else None
+        counts = memory.model_counts(exp.model)
+        row = lookup(cpu, fmt, counts.params if counts else None) if device.startswith("cpu") else None
         if row is None:
             where = f"{cpu.uarch or cpu.isa} {fmt}" if device.startswith("cpu") else device
             choice = Choice("eager", f"no measured row for {where} at this size (harness/measure/paths.py)",
