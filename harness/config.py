@@ -27,6 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from harness.analysis import corpus, task_accuracy, tasks
 from harness.errors import ConfigError, QuantbenchError, one_of
+from harness.load.config import LoadConfig, SloConfig
 from harness.measure.workloads import source_problems
 from harness.schema import (
     COMPILE_BACKENDS,
@@ -221,6 +222,7 @@ class RunConfig:
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)  # serving load (harness/load/); off by default
     name: str = ""  # experiment name (set by experiment overlays; names the sweep folder)
     sweep: Any = None  # sweep settings, used by harness.sweep (timeout, isolation)
 
@@ -232,6 +234,8 @@ def register_configs() -> None:
     cs.store(group="schema", name="measure", node=MeasureConfig)
     cs.store(group="schema", name="accuracy", node=AccuracyConfig)
     cs.store(group="schema", name="tracking", node=TrackingConfig)
+    cs.store(group="schema", name="load", node=LoadConfig)
+    cs.store(group="schema", name="slo", node=SloConfig)
 
 
 @dataclass
@@ -246,7 +250,8 @@ class Experiment:
     accuracy: AccuracyConfig
     tracking: TrackingConfig
     name: str
-    config: dict  # the resolved config as plain data (params, config hash, child processes)
+    config: dict
+    load: LoadConfig = field(default_factory=LoadConfig)  # the resolved config as plain data (params, config hash, child processes)
 
 
 def _instantiate(section: str, node: Any, problems: list[str]) -> Any:
@@ -307,6 +312,7 @@ def build(cfg: DictConfig | dict) -> Experiment:
     measure = _section(MeasureConfig, plain.get("measure"), problems)
     accuracy = _section(AccuracyConfig, plain.get("accuracy"), problems)
     tracking = _section(TrackingConfig, plain.get("tracking"), problems)
+    load = _section(LoadConfig, plain.get("load"), problems)
     if not problems:
         for part in parts.values():  # cross-field checks that need more than one section
             check = getattr(part, "check_with", None)
@@ -317,7 +323,7 @@ def build(cfg: DictConfig | dict) -> Experiment:
                     problems.append(str(exc))
     if problems:
         raise ConfigError(problems)
-    return Experiment(measure=measure, accuracy=accuracy, tracking=tracking,
+    return Experiment(measure=measure, accuracy=accuracy, tracking=tracking, load=load,
                       name=plain.get("name") or "", config=plain, **parts)
 
 

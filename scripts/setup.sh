@@ -61,6 +61,26 @@ if [ "$ALL" = 1 ]; then
     fi
     $PIP install -q -c constraints.txt "$wheels"/llama_cpp_python-0.3.36-*.whl
   fi
+  # llama.cpp's llama-server (the serving load's HTTP target, harness/load/server.py), built from the llama.cpp that
+  # the same llama-cpp-python 0.3.36 sdist vendors (the same ggml as engine=llama_cpp): ~5 min on 2 cores, once per
+  # CPU (GGML_NATIVE), cached beside the wheel and copied into the venv. Static libraries: one file, no rpath.
+  if [ ! -x "$VENV/bin/llama-server" ]; then
+    cpu_key=$( (grep -m1 '^model name' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo; uname -m) 2>/dev/null | sha256sum | cut -c1-12)
+    srv="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}/bin/llama-server-0.3.36-$cpu_key"
+    if [ ! -x "$srv/llama-server" ]; then
+      tmp=$(mktemp -d)
+      $PIP download -q --no-deps --no-binary :all: -d "$tmp" llama-cpp-python==0.3.36
+      tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp"
+      gen=(); command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
+      cmake -S "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp -B "$tmp/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF >/dev/null
+      cmake --build "$tmp/build" --target llama-server -j "$(nproc)" >/dev/null
+      mkdir -p "$srv" && cp "$tmp/build/bin/llama-server" "$srv/llama-server.tmp" && mv "$srv/llama-server.tmp" "$srv/llama-server"
+      rm -rf "$tmp"
+    fi
+    cp "$srv/llama-server" "$VENV/bin/llama-server"
+  fi
   # PostgreSQL server for tests/test_tracking_server.py (harness.server --postgres-dir); Debian puts the
   # binaries in /usr/lib/postgresql/<version>/bin and creates the `postgres` user the cluster runs as
   # when CI is root. Only the package is needed: no system cluster is started or used.

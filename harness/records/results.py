@@ -161,6 +161,13 @@ def summary_line(result: Result) -> str:
     m = result.metrics
     if result.status != "OK":
         return f"[{result.status}] {result.run_name}: {result.error}"
+    if result.children:  # a load run (harness/load/run.py): its capacity and the rates behind it
+        cap = m.get("capacity_rps")
+        return (f"[OK] {result.run_name}: {result.tags.get('load.target', 'load')}, {len(result.children)} rates, "
+                + (f"capacity {cap:.2f} req/s under SLO {result.tags.get('load.slo', 'none')} "
+                   f"(p90 TTFT {m.get('capacity_ttft_ms_p90', float('nan')):.0f} ms, p90 TPOT "
+                   f"{m.get('capacity_tpot_ms_p90', float('nan')):.1f} ms), " if cap is not None else "")
+                + f"max {m.get('max_rps', float('nan')):.2f} req/s")
     parts = [f"decode {m.get('decode_tokens_per_s', float('nan')):.1f} tok/s "
              f"(p10 {m.get('decode_tokens_per_s_p10', float('nan')):.1f}, "
              f"p90 {m.get('decode_tokens_per_s_p90', float('nan')):.1f})",

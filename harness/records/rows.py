@@ -23,6 +23,7 @@ def describe(cell: dict) -> dict[str, Any]:
         "status": cell.get("status", "?"),
         "error": cell.get("error", ""),
         "metrics": m,
+        "children": cell.get("children") or [],  # a load run's rates (harness/load/report.py)
     }
 
 

@@ -22,6 +22,7 @@ from harness.config import TrackingConfig
 from harness.records.mlflow_runs import already_sent, log_to_mlflow
 from harness.records.results import (
     PARENT_TAG,
+    RESULT_KEY_TAG,
     json_path,
     pending,
     result_key,
@@ -49,11 +50,24 @@ def record(result: Result, tcfg: TrackingConfig, path: Path | None = None, paren
         return written or path
     try:
         result.mlflow_run_id = log_to_mlflow(result, tcfg, parent_run_id, artifacts)
+        for child in child_results(result):  # a load run's rates, nested under it
+            log_to_mlflow(child, tcfg, result.mlflow_run_id)
     except Exception as exc:  # noqa: BLE001 - the JSON holds the numbers; `upload` sends them later
         result.tags["tracking_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         log.error("MLflow logging failed (%s); result kept in %s; re-send with: %s %s --uri %s",
                   result.tags["tracking_error"], path, UPLOAD, path.parent, tcfg.resolved_uri())
     return save_result(path, result, final=True) or path
+
+
+def child_results(result: Result) -> list[Result]:
+    """A load run's rates (`result.children`) as results of their own, to log nested under the run."""
+    keep = {k: v for k, v in result.tags.items() if k not in (RESULT_KEY_TAG, "error")}
+    return [Result(status=c.get("status", "OK"), config=result.config, metrics=dict(c.get("metrics") or {}),
+                   tags={**keep, **(c.get("tags") or {}), "status": c.get("status", "OK"),
+                         **({"error": c["error"]} if c.get("error") else {})},
+                   error=c.get("error", ""), run_name=f"{result.run_name} @ {c.get('label', i)}",
+                   config_hash=result.config_hash, started=result.started, ended=result.ended)
+            for i, c in enumerate(result.children)]
 
 
 def upload(folder: Path, tcfg: TrackingConfig, own_experiment: bool = False) -> tuple[int, int]:

@@ -12,7 +12,7 @@ Hooks that produce numbers return `(metrics, tags)`; the pipeline records them.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ class Outcome:
     metrics: dict
     tags: dict
     samples: list[dict]
+    children: list[dict] = field(default_factory=list)  # a load run's rates: nested runs (harness/load/run.py)
 
 
 class Session:

@@ -21,6 +21,7 @@ from typing import Any
 from harness import env, measure
 from harness.config import Experiment, build, to_plain
 from harness.errors import QuantbenchError, Unsupported
+from harness.load.run import LoadFailed, LoadRun
 from harness.run.pipeline import Pipeline, run_name
 
 log = logging.getLogger("quantbench")
@@ -45,6 +46,7 @@ class Result:
     started: float = 0.0
     ended: float = 0.0
     mlflow_run_id: str = ""
+    children: list = field(default_factory=list)  # a load run's rates, each {label, status, error, metrics, tags}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,15 +68,26 @@ def execute(exp: Experiment) -> Result:
     for the never-raising wrapper)."""
     m = exp.measure
     device = measure.resolve_device(m.device)
-    pipe = Pipeline(exp, device)
-    outcome = pipe.run()  # preflight (files, libraries, device, corpus, memory) first: nothing loads before it
-    tags = {**env.machine_tags(device, pipe.threads), **exp.model.tags(), **outcome.tags}
+    if exp.load.enabled:  # serving load: open-loop arrivals against a target (harness/load/)
+        outcome = LoadRun(exp, device).run()
+        threads = measure.set_threads(m.threads)
+    else:
+        pipe = Pipeline(exp, device)
+        outcome = pipe.run()  # preflight (files, libraries, device, corpus, memory) first: nothing loads before it
+        threads = pipe.threads
+    return _result(exp, device, threads, outcome)
+
+
+def _result(exp: Experiment, device: str, threads: int, outcome: Any, status: str = "OK") -> Result:
+    m = exp.measure
+    tags = {**env.machine_tags(device, threads), **exp.model.tags(), **outcome.tags}
     tags.update({"quantizer.backend": getattr(exp.quantizer, "backend", ""), "quantizer.name": exp.quantizer.name,
                  "strategy.name": exp.strategy.name, "model.name": exp.model.name, "engine": exp.engine.name,
                  "measure.cache": m.cache, "measure.compile": str(m.compile).lower(),
                  "stop_at_eos": str(m.stop_at_eos).lower()})
     metrics = {k: float(v) for k, v in outcome.metrics.items() if isinstance(v, (int, float))}
-    return Result(status="OK", config=exp.config, metrics=metrics, tags=tags, samples=outcome.samples)
+    return Result(status=status, config=exp.config, metrics=metrics, tags=tags, samples=outcome.samples,
+                  children=outcome.children)
 
 
 def classify(exc: BaseException) -> str:
@@ -108,9 +121,14 @@ def run(cfg: Any) -> Result:
             log.warning("run skipped: %s", message)
         else:
             log.error("run failed: %s", message)
-        result = Result(status=status, config=config, error=message,
-                        traceback="" if status == "SKIPPED" else traceback.format_exc(),
-                        tags={"git_commit": env.git_commit()})
+        if isinstance(exc, LoadFailed) and exp is not None:  # the rates answered before the target died are kept
+            device = measure.resolve_device(exp.measure.device)
+            result = _result(exp, device, measure.set_threads(exp.measure.threads), exc.outcome, status)
+            result.error, result.traceback = message, traceback.format_exc()
+        else:
+            result = Result(status=status, config=config, error=message,
+                            traceback="" if status == "SKIPPED" else traceback.format_exc(),
+                            tags={"git_commit": env.git_commit()})
     result.run_name = run_name(exp, config)
     result.config_hash = config_hash(config)
     result.tags.update({"config_hash": result.config_hash, "status": result.status})

@@ -1,0 +1,103 @@
+"""The `load` section: open-loop serving load (harness/load/). Off unless `load.profile` is `rates` or `sweep`.
+
+Every field is checked here, all at once, so a bad value (a negative rate, an unknown profile, an SLO of 0)
+is refused in one line with exit 2 before a model loads or a server starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.errors import ConfigError, one_of
+from harness.load.lengths import spec_problem
+from harness.schema import Validated, positive
+
+PROFILES = ("off", "rates", "sweep")  # off: an ordinary run; rates: load.rates; sweep: guidellm's sweep
+ARRIVALS = ("poisson", "gamma", "constant", "concurrency")
+
+
+@dataclass
+class SloConfig(Validated):
+    """Per-request limits a request must meet to count toward goodput; null = no limit on that measure."""
+
+    ttft_ms: float | None = None  # time to first token
+    tpot_ms: float | None = None  # mean time per output token after the first
+    e2e_ms: float | None = None  # request latency, send to last token
+
+    _section = "load.slo"
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                positive(p, f"load.slo.{name}", value)
+        return p
+
+    def limits(self) -> dict[str, float]:
+        """{measure: limit in ms} of the limits that are set."""
+        return {k: float(v) for k in ("ttft_ms", "tpot_ms", "e2e_ms") if (v := getattr(self, k)) is not None}
+
+
+@dataclass
+class LoadConfig(Validated):
+    """Open-loop request arrivals against an in-process batcher or an OpenAI-compatible server (docs/serving.md)."""
+
+    profile: str = "off"  # off | rates (load.rates) | sweep (synchronous, max throughput, then rates between)
+    rates: list[float] = field(default_factory=list)  # offered request rates, requests/s (profile=rates)
+    sweep_rates: int = 4  # profile=sweep: rates evenly between the synchronous and the maximum rate
+    arrival: str = "poisson"  # poisson | gamma (load.burstiness) | constant | concurrency (load.concurrency in flight)
+    burstiness: float = 1.0  # gamma shape: 1 = Poisson, < 1 burstier, > 1 more regular (vllm bench serve's)
+    concurrency: int = 4  # arrival=concurrency: requests kept in flight (closed loop by definition)
+    requests: int = 32  # requests per rate
+    lengths: str = "chat"  # chat (shipped) | fixed:P/O | uniform:P1-P2/O1-O2 | workload | a .jsonl of lengths
+    seed: int = 0  # arrivals and lengths
+    slo: SloConfig = field(default_factory=SloConfig)
+    goodput_share: float = 0.9  # capacity: the highest offered rate whose goodput is at least this share of it
+    url: str = ""  # an OpenAI-compatible server already running (base URL); empty = quantbench starts its target
+    api_model: str = ""  # the `model` field sent to load.url (vLLM, TGI and SGLang check it)
+    parallel: int = 8  # requests decoded together: llama-server --parallel, in-process max_requests_per_batch
+    max_send_lag_ms: float = 50.0  # p99 lag of actual after scheduled send above this: not open-loop (tagged)
+    request_timeout_s: float = 300.0  # a request unanswered this long after its send is counted unfinished
+    warmup_requests: int = 2  # untimed requests before the first rate
+
+    _section = "load"
+
+    def __post_init__(self) -> None:
+        self._slo_problems: list[str] = []
+        if isinstance(self.slo, dict):
+            try:
+                self.slo = SloConfig(**self.slo)
+            except ConfigError as exc:  # reported with the other fields' problems, all at once
+                self._slo_problems = exc.problems
+        super().__post_init__()
+
+    @property
+    def enabled(self) -> bool:
+        return self.profile != "off"
+
+    def problems(self) -> list[str]:
+        p = list(self._slo_problems) + [e for e in (one_of("load.profile", self.profile, PROFILES),
+                         one_of("load.arrival", self.arrival, ARRIVALS)) if e]
+        rates = list(self.rates or [])
+        for r in rates:
+            if not isinstance(r, (int, float)) or isinstance(r, bool) or not r > 0 or r == float("inf"):
+                p.append(f"load.rates={rates} must hold finite request rates > 0 (requests/s)")
+                break
+        if self.profile == "rates" and not rates:
+            p.append("load.profile=rates needs load.rates=[r1,r2,...] (requests/s), or use load.profile=sweep")
+        for name in ("sweep_rates", "concurrency", "requests", "parallel"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                p.append(f"load.{name}={v!r} must be an integer >= 1")
+        positive(p, "load.burstiness", self.burstiness)
+        positive(p, "load.max_send_lag_ms", self.max_send_lag_ms)
+        positive(p, "load.request_timeout_s", self.request_timeout_s)
+        positive(p, "load.warmup_requests", self.warmup_requests, allow_zero=True)
+        if not isinstance(self.goodput_share, (int, float)) or not 0 < self.goodput_share <= 1:
+            p.append(f"load.goodput_share={self.goodput_share!r} must be in (0, 1]")
+        if self.url and not str(self.url).startswith(("http://", "https://")):
+            p.append(f"load.url={self.url!r} must be an http:// or https:// base URL, e.g. http://127.0.0.1:8080")
+        if (err := spec_problem(str(self.lengths))):
+            p.append(err)
+        return p

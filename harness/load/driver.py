@@ -1,0 +1,124 @@
+"""The open-loop client: seeded arrival times, sends on that clock, waits for the answers.
+
+Arrivals (`load.arrival`) never depend on completions, so a slow target meets a growing queue, not a
+politer client: `poisson` (exponential gaps), `gamma` (gaps with shape `load.burstiness`, vLLM's
+burstiness: 1 is Poisson, < 1 burstier), `constant` (1/rate apart). `concurrency` is the exception, named as
+such: `load.concurrency` requests in flight, the next one sent when one ends (guidellm's concurrent profile;
+its synchronous profile is concurrency 1). A rate of `inf` sends everything at once (the maximum-throughput
+run of a sweep).
+
+Each request's scheduled and actual send time are recorded; the summary marks a rate whose p99 lag passes
+`load.max_send_lag_ms` as not open-loop (on 2 cores the client shares the CPU with the model).
+
+A target (harness/load/targets.py) has `submit(request, record, done)`, which returns at once and calls
+`done()` when the request ended (answered, failed or given up); `problem()`, a one-line reason once the
+target is dead; and `close()`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from harness.errors import QuantbenchError
+from harness.load.stats import RequestRecord
+
+
+@dataclass
+class Request:
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    tag: str = ""  # unique across a run's rates (the in-process manager keys requests by id)
+
+
+class Target(Protocol):
+    name: str
+
+    def submit(self, request: Request, record: RequestRecord, done: Callable[[], None]) -> None: ...
+
+    def problem(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class TargetDied(QuantbenchError):
+    """The target died during a rate; `records` holds what was answered before it did."""
+
+    def __init__(self, message: str, records: list[RequestRecord], end: float):
+        super().__init__(message)
+        self.records, self.end = records, end
+
+
+def schedule(arrival: str, rate: float, n: int, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Send times (seconds after the start, the first at 0) of n requests at `rate` requests/s, seeded."""
+    if n <= 0:
+        return []
+    if math.isinf(rate) or arrival == "concurrency":
+        return [0.0] * n
+    rng = random.Random(seed)
+    if arrival == "constant":
+        gaps = [1.0 / rate] * (n - 1)
+    elif arrival == "poisson":
+        gaps = [rng.expovariate(rate) for _ in range(n - 1)]
+    elif arrival == "gamma":  # mean 1/rate whatever the shape: scale = 1 / (rate * shape)
+        gaps = [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n - 1)]
+    else:
+        raise ValueError(f"unknown arrival {arrival!r}")
+    times, t = [0.0], 0.0
+    for g in gaps:
+        t += g
+        times.append(t)
+    return times
+
+
+def drive(target: Target, requests: list[Request], times: list[float], timeout_s: float,
+          concurrency: int = 0, poll_s: float = 0.05) -> tuple[list[RequestRecord], float]:
+    """Send `requests` at `times` (or `concurrency` at a time when > 0) and wait for every answer.
+
+    Returns the records and the end (seconds after the start: the last chunk, or the deadline of a request
+    that never ended). Raises TargetDied (records kept) when the target dies; never drops a request: one
+    unanswered by `timeout_s` after its send stays in the records as unfinished."""
+    t0 = time.perf_counter()
+    records = [RequestRecord(index=r.index, prompt_tokens=len(r.prompt), max_tokens=r.max_tokens, scheduled=t,
+                             origin=t0) for r, t in zip(requests, times, strict=True)]
+    ended = [threading.Event() for _ in requests]
+    slots = threading.Semaphore(concurrency) if concurrency > 0 else None
+
+    def finish(i: int) -> Callable[[], None]:
+        def done() -> None:
+            if not ended[i].is_set():
+                ended[i].set()
+                if slots is not None:
+                    slots.release()
+        return done
+
+    def check() -> None:
+        if (why := target.problem()):
+            raise TargetDied(why, records, time.perf_counter() - t0)
+
+    for i, (req, rec) in enumerate(zip(requests, records, strict=True)):
+        if slots is not None:  # closed loop: wait for a free slot; the slot's time is the schedule
+            while not slots.acquire(timeout=poll_s):
+                check()
+            rec.scheduled = time.perf_counter() - t0
+        else:
+            while (wait := rec.scheduled - (time.perf_counter() - t0)) > 0:
+                time.sleep(min(wait, poll_s))
+                if wait > poll_s:
+                    check()
+        rec.sent = rec.now()  # the target may restamp it when the bytes leave (HTTP thread)
+        target.submit(req, rec, finish(i))
+    for i, rec in enumerate(records):
+        while not ended[i].wait(poll_s):
+            check()
+            if time.perf_counter() - t0 > rec.sent + timeout_s:
+                break
+    stamps = [r.chunks[-1] for r in records if r.chunks]
+    late = [r.sent + timeout_s for r, e in zip(records, ended, strict=True) if not e.is_set()]
+    return records, max(stamps + late + [time.perf_counter() - t0 if not stamps else 0.0])

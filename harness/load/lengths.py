@@ -1,0 +1,106 @@
+"""Request lengths for a load run (`load.lengths`), and prompts of those lengths.
+
+A spec is one of
+- `chat` (default): harness/data/chat_lengths.jsonl, a small synthetic file shaped like chat traffic
+  (long-tailed prompts, shorter outputs); its first line says where its parameters came from;
+- `fixed:P/O`: every request P prompt tokens and O output tokens;
+- `uniform:P1-P2/O1-O2`: lengths drawn uniformly (inclusive) from those ranges;
+- a `.jsonl` file: one `{"prompt_tokens": P, "output_tokens": O}` per line (a line holding only `_comment`
+  is skipped), drawn with replacement;
+- `workload`: the run's own prompts (`measure.prompts`, with their per-prompt `max_new_tokens`), cycled.
+Draws are seeded by `load.seed`. Prompt ids are windows of real English text (the builtin corpus and the
+calibration text, tokenized by the run's tokenizer), so a server sees ordinary tokens, never random ids.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from harness.errors import QuantbenchError
+from harness.measure.workloads import random_ids
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+CHAT = DATA / "chat_lengths.jsonl"
+TEXTS = (DATA / "corpus.txt", DATA / "calibration.txt")
+_FIXED = re.compile(r"^fixed:(\d+)/(\d+)$")
+_UNIFORM = re.compile(r"^uniform:(\d+)-(\d+)/(\d+)-(\d+)$")
+FORMS = "chat | workload | fixed:P/O | uniform:P1-P2/O1-O2 | a .jsonl file of {prompt_tokens, output_tokens}"
+
+
+def read_jsonl(path: Path) -> list[tuple[int, int]]:
+    """The (prompt_tokens, output_tokens) pairs of a lengths file; ValueError names the bad line."""
+    pairs = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if set(row) == {"_comment"}:
+            continue
+        if set(row) != {"prompt_tokens", "output_tokens"}:
+            raise ValueError(f"line {i} has keys {sorted(row)}; want prompt_tokens and output_tokens")
+        p, o = row["prompt_tokens"], row["output_tokens"]
+        if not all(isinstance(v, int) and v >= 1 for v in (p, o)):
+            raise ValueError(f"line {i}: prompt_tokens and output_tokens must be integers >= 1")
+        pairs.append((p, o))
+    if not pairs:
+        raise ValueError("no lengths in it")
+    return pairs
+
+
+def spec_problem(spec: str) -> str | None:
+    """Why `load.lengths` cannot be used (config time, no tokenizer), else None."""
+    if spec in ("chat", "workload"):
+        return None
+    if (m := _FIXED.match(spec)) or (m := _UNIFORM.match(spec)):
+        nums = [int(g) for g in m.groups()]
+        if min(nums) < 1 or (len(nums) == 4 and (nums[0] > nums[1] or nums[2] > nums[3])):
+            return f"load.lengths={spec!r}: lengths must be >= 1 and each range low-high"
+        return None
+    if spec.endswith(".jsonl"):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            return f"load.lengths={spec!r}: no such file"
+        try:
+            read_jsonl(path)
+        except (ValueError, json.JSONDecodeError) as exc:
+            return f"load.lengths={spec!r}: {exc}"
+        return None
+    return f"load.lengths={spec!r} is not a length spec; use {FORMS}"
+
+
+def draw(spec: str, n: int, seed: int) -> list[tuple[int, int]]:
+    """n (prompt_tokens, output_tokens) pairs from a spec other than `workload`, seeded."""
+    rng = random.Random(seed)
+    if (m := _FIXED.match(spec)):
+        return [(int(m[1]), int(m[2]))] * n
+    if (m := _UNIFORM.match(spec)):
+        a, b, c, d = (int(g) for g in m.groups())
+        return [(rng.randint(a, b), rng.randint(c, d)) for _ in range(n)]
+    pairs = read_jsonl(CHAT if spec == "chat" else Path(spec).expanduser())
+    return [rng.choice(pairs) for _ in range(n)]
+
+
+def text_ids(tokenizer: Any) -> list[int]:
+    """The token stream prompts are cut from: real English text, without special tokens."""
+    text = "\n\n".join(p.read_text() for p in TEXTS)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompts(tokenizer: Any, lengths: list[int], seed: int) -> list[list[int]]:
+    """One prompt of each length: a window of the text stream at a seeded offset (the stream repeats). A model
+    without a text tokenizer (model=random) gets seeded random ordinary ids instead."""
+    try:
+        stream = text_ids(tokenizer)
+    except QuantbenchError:
+        return [random_ids(tokenizer, n, seed, 100 + i) for i, n in enumerate(lengths)]
+    rng = random.Random(seed + 1)
+    out = []
+    for n in lengths:
+        start = rng.randrange(len(stream))
+        reps = -(-(start + n) // len(stream))
+        out.append((stream * reps)[start:start + n])
+    return out

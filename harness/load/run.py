@@ -1,0 +1,231 @@
+"""A load run (`load.profile=rates|sweep`): open the target, offer each rate, summarize, find the capacity.
+
+    python run.py load.profile=sweep                          # in process: transformers' continuous batching
+    python run.py engine=llama_cpp engine.format=Q4_0 load.profile=rates 'load.rates=[1,2,4]'   # llama-server
+    python run.py load.profile=sweep load.url=http://127.0.0.1:8080   # a server that is already running
+
+Target: `load.url` when set; else `engine=llama_cpp` starts llama-server on the format's GGUF
+(harness/load/server.py), and `engine=transformers` feeds the quantized model's continuous-batching manager in
+this process (harness/load/inprocess.py). Rates: `load.rates`, or the sweep (guidellm's): a synchronous run
+(one request at a time), a maximum-throughput run (every request at once), then `load.sweep_rates` rates
+evenly between the two. Each rate is a nested MLflow run; the parent holds the capacity under the SLO (the
+highest offered rate whose goodput is at least `load.goodput_share` of it) and the latencies at that rate.
+Every rate offers the same drawn lengths, with prompts cut from other places of the text (no prefix cache hit
+carries over from one rate to the next).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from harness import measure, run_log, third_party_output
+from harness.analysis.roofline import shape_from_gguf
+from harness.config import Experiment
+from harness.errors import QuantbenchError
+from harness.load import lengths
+from harness.load.driver import Request, TargetDied, drive, schedule
+from harness.load.http import HttpTarget
+from harness.load.inprocess import InProcessTarget
+from harness.load.server import LlamaServer, binary
+from harness.load.stats import QUANTILES, capacity, summarize, sweep_rates
+from harness.measure import memory, workloads
+from harness.models import load_tokenizer
+from harness.run.hooks import Outcome
+from harness.run.llama_cpp import convert, linear_bits
+
+log = logging.getLogger("quantbench")
+
+
+class LoadFailed(QuantbenchError):
+    """A load run that ended early (a dead target): `outcome` keeps every rate answered before it."""
+
+    def __init__(self, message: str, outcome: Outcome):
+        super().__init__(message)
+        self.outcome = outcome
+
+
+def target_kind(exp: Experiment) -> str:
+    return "url" if exp.load.url else ("llama-server" if exp.engine.name == "llama_cpp" else "in-process")
+
+
+class LoadRun:
+    """One experiment under open-loop load (module docstring)."""
+
+    def __init__(self, exp: Experiment, device: str):
+        self.exp, self.device, self.cfg = exp, device, exp.load
+        self.kind = target_kind(exp)
+        self.log_file = run_log(exp.tracking.results_dir)
+        self.metrics: dict[str, float] = {}
+        self.tags: dict[str, str] = {"load.target": self.kind, "load.profile": self.cfg.profile,
+                                     "load.arrival": self.cfg.arrival, "load.lengths": str(self.cfg.lengths)}
+        self.children: list[dict] = []
+        self.target: Any = None
+        self.session: Any = None
+        self.server: LlamaServer | None = None
+        self.estimate = None
+
+    def preflight(self) -> None:
+        """Cheap checks before anything loads or starts: the server binary, the engine, memory."""
+        exp = self.exp
+        if self.kind == "llama-server":
+            binary()
+        if self.kind != "url":
+            exp.engine.preflight(exp, self.device)
+        if self.kind == "in-process":
+            self.estimate = memory.check(exp, self.device)
+
+    # ---------------------------------------------------------------------------------------- requests
+    def requests(self, tokenizer: Any) -> list[tuple[Any, int]]:
+        """The run's (prompt, output tokens) pairs: a prompt's ids (`workload`) or its drawn length."""
+        cfg, n = self.cfg, self.cfg.requests
+        if cfg.lengths == "workload":
+            wl = workloads.resolve(self.exp.measure, tokenizer)
+            return [(wl.prompts[i % len(wl.prompts)], wl.limits[i % len(wl.limits)]) for i in range(n)]
+        return lengths.draw(str(cfg.lengths), n, cfg.seed)
+
+    def prompts_for(self, tokenizer: Any, base: list[tuple[list[int] | int, int]], k: int) -> list[Request]:
+        """Rate k's requests: the same lengths, prompts from other offsets of the text (seed + k)."""
+        if self.cfg.lengths == "workload":
+            return [Request(i, list(p), o, tag=f"r{k}") for i, (p, o) in enumerate(base)]
+        ids = lengths.prompts(tokenizer, [p for p, _ in base], self.cfg.seed + 1000 * (k + 1))
+        return [Request(i, ids[i], o, tag=f"r{k}") for i, (_, o) in enumerate(base)]
+
+    # ------------------------------------------------------------------------------------------ target
+    def open(self, tokenizer: Any, max_len: int, threads: int) -> None:
+        exp, cfg = self.exp, self.cfg
+        if self.kind == "url":
+            self.target = HttpTarget(cfg.url, tokenizer=tokenizer, api_model=cfg.api_model,
+                                     timeout_s=cfg.request_timeout_s, name="url")
+            return
+        if self.kind == "llama-server":
+            src = Path(exp.model.gguf_path)
+            if not src.is_file():
+                exp.model.make_gguf()  # random weights: the float GGUF, once per preset and seed (cached)
+            with third_party_output(self.log_file):
+                gguf = convert(src, exp.engine.format, threads)
+            self.tags.update({"engine.format": exp.engine.format, "kernel_path": f"llama.cpp[{gguf.name}]"})
+            self.metrics.update({"weight_bytes": shape_from_gguf(gguf).weight_bytes, "bits_per_weight": linear_bits(gguf)})
+            self.server = LlamaServer(gguf, threads=threads, parallel=cfg.parallel,
+                                      ctx_per_slot=-(-(max_len + 16) // 256) * 256, log_file=self.log_file)
+            t0 = measure.now()
+            self.server.start()
+            self.metrics["load_s"] = measure.now() - t0
+            self.tags["log_file"] = str(self.log_file)
+            self.target = HttpTarget(self.server.url, tokenizer=tokenizer, timeout_s=cfg.request_timeout_s,
+                                     server=self.server, name="llama-server")
+            return
+        session = exp.engine.open(exp, self.device, threads)
+        metrics, tags = session.load(tokenizer, None, self.log_file)
+        self.metrics.update(metrics)
+        self.tags.update(tags)
+        self.session = session
+        self.target = InProcessTarget(session.model, parallel=cfg.parallel, max_len=max_len)
+
+    def close(self) -> None:
+        try:
+            if self.target is not None:
+                self.target.close()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+            if self.session is not None:
+                self.session.close()
+            self.target = self.server = self.session = None
+
+    # ------------------------------------------------------------------------------------------- rates
+    def point(self, label: str, reqs: list[Request], rate: float, concurrency: int = 0) -> dict[str, float]:
+        """Offer one rate (or a concurrency); record it as a child run; its metrics."""
+        cfg = self.cfg
+        times = schedule(cfg.arrival if not concurrency else "concurrency", rate, len(reqs), cfg.seed + len(self.children),
+                         cfg.burstiness)
+        offered = rate if not concurrency and math.isfinite(rate) else math.nan
+        died = ""
+        try:
+            records, end = drive(self.target, reqs, times, cfg.request_timeout_s, concurrency=concurrency)
+        except TargetDied as exc:
+            records, end, died = exc.records, exc.end, str(exc)
+        metrics, tags = summarize(records, offered, cfg.slo.limits(), cfg.max_send_lag_ms, end)
+        tags.update({"load.point": label, "load.target": self.kind})
+        if concurrency:
+            metrics["concurrency"] = float(concurrency)
+        self.children.append({"label": label, "status": "FAILED" if died else "OK", "error": died,
+                              "metrics": metrics, "tags": tags})
+        log.info("load %s: offered %s, %.2f req/s done, goodput %.2f req/s, p90 TTFT %.0f ms, p90 TPOT %.1f ms",
+                 label, "-" if math.isnan(offered) else f"{offered:.2f}/s", metrics["request_throughput_rps"],
+                 metrics["goodput_rps"], metrics["serve_ttft_ms_p90"], metrics["serve_tpot_ms_p90"])
+        if died:
+            raise QuantbenchError(died)
+        return metrics
+
+    def rates(self, tokenizer: Any, base: list) -> None:
+        cfg, k = self.cfg, iter(range(10**6))
+        if cfg.warmup_requests:  # untimed: first calls allocate and pick kernels
+            drive(self.target, self.prompts_for(tokenizer, base[:cfg.warmup_requests], -1),
+                  [0.0] * min(cfg.warmup_requests, len(base)), cfg.request_timeout_s, concurrency=1)
+        if cfg.arrival == "concurrency":
+            self.point(f"concurrency {cfg.concurrency}", self.prompts_for(tokenizer, base, next(k)), math.inf,
+                       concurrency=cfg.concurrency)
+            return
+        offered = list(cfg.rates)
+        if cfg.profile == "sweep":
+            sync = self.point("synchronous", self.prompts_for(tokenizer, base, next(k)), math.inf, concurrency=1)
+            top = self.point("throughput", self.prompts_for(tokenizer, base, next(k)), math.inf)
+            self.metrics["sync_rps"] = sync["request_throughput_rps"]
+            self.metrics["sync_output_tokens_per_s"] = sync["output_tokens_per_s"]
+            self.metrics["max_rps"] = top["request_throughput_rps"]
+            offered = sweep_rates(sync["request_throughput_rps"], top["request_throughput_rps"], cfg.sweep_rates)
+        for rate in offered:
+            self.point(f"{rate:.3g}/s", self.prompts_for(tokenizer, base, next(k)), float(rate))
+
+    def conclude(self) -> None:
+        """The parent's metrics: capacity under the SLO and the latencies at that rate."""
+        pts = [c for c in self.children if c["tags"]["load.point"] not in ("synchronous", "throughput")
+               and not math.isnan(c["metrics"]["offered_rps"])]
+        cap = capacity([(c["metrics"]["offered_rps"], c["metrics"]["goodput_rps"]) for c in pts], self.cfg.goodput_share)
+        self.metrics["max_rps"] = max([self.metrics.get("max_rps", 0.0)]
+                                      + [c["metrics"]["request_throughput_rps"] for c in self.children])
+        if pts:
+            self.metrics["capacity_rps"] = cap
+        at = next((c for c in pts if c["metrics"]["offered_rps"] == cap), None)
+        if at is not None:
+            for q in QUANTILES:
+                for name in ("ttft", "tpot"):
+                    self.metrics[f"capacity_{name}_ms_p{q}"] = at["metrics"][f"serve_{name}_ms_p{q}"]
+        lags = [c["metrics"]["send_lag_ms_p99"] for c in self.children if not math.isnan(c["metrics"]["send_lag_ms_p99"])]
+        if lags:
+            self.metrics["send_lag_ms_p99"] = max(lags)
+        self.metrics["load_points"] = float(len(self.children))
+        self.tags["load.open_loop"] = str(all(c["metrics"]["open_loop"] for c in pts)).lower()
+        self.tags["load.slo"] = ", ".join(f"{k}<={v:g}" for k, v in self.cfg.slo.limits().items()) or "none"
+
+    def outcome(self) -> Outcome:
+        return Outcome(metrics=self.metrics, tags=self.tags, samples=[], children=self.children)
+
+    def run(self) -> Outcome:
+        import torch  # heavy: harness/run/runner.py (imported by run.py's CLI) imports this module
+
+        exp, m = self.exp, self.exp.measure
+        self.preflight()
+        threads = measure.set_threads(m.threads)
+        torch.manual_seed(m.seed)
+        tokenizer = load_tokenizer(exp.model)
+        base = self.requests(tokenizer)
+        max_len = max((p if isinstance(p, int) else len(p)) + o for p, o in base)
+        self.metrics.update({"prompt_len_tokens": statistics.median(p if isinstance(p, int) else len(p) for p, _ in base),
+                             "decode_len_tokens": statistics.median(o for _, o in base)})
+        try:
+            self.open(tokenizer, max_len, threads)
+            self.rates(tokenizer, base)
+        except QuantbenchError as exc:
+            self.conclude()
+            raise LoadFailed(str(exc), self.outcome()) from exc
+        finally:
+            self.close()
+        self.conclude()
+        if self.estimate is not None:
+            self.metrics.update(memory.metrics(self.estimate))
+        return self.outcome()
