@@ -119,6 +119,7 @@ def drive(target: Target, requests: list[Request], times: list[float], timeout_s
             check()
             if time.perf_counter() - t0 > rec.sent + timeout_s:
                 break
+    check()  # refused connections end requests at once, without a wait that would have noticed the death
     stamps = [r.chunks[-1] for r in records if r.chunks]
     late = [r.sent + timeout_s for r, e in zip(records, ended, strict=True) if not e.is_set()]
     return records, max(stamps + late + [time.perf_counter() - t0 if not stamps else 0.0])

@@ -39,6 +39,16 @@ def single_stream(row: dict) -> float | None:
     return 1000.0 / tpot if tpot and not math.isnan(tpot) else None
 
 
+def capacity_cell(row: dict) -> str:
+    """The capacity, or "< lowest rate" when no offered rate met the SLO share."""
+    cap = row["metrics"].get("capacity_rps")
+    if cap == 0.0:
+        offered = [c["metrics"].get("offered_rps") for c in row.get("children") or []]
+        lowest = min((o for o in offered if o is not None and not math.isnan(o)), default=None)
+        return f"< {lowest:.2f}" if lowest is not None else "0"
+    return ("≥ " if row["tags"].get("load.capacity_bound", "").startswith("at least") else "") + _f(cap, "{:.2f}")
+
+
 def section(rows: list[dict]) -> str:
     rows = [r for r in rows if r.get("children")]
     if not rows:
@@ -46,7 +56,8 @@ def section(rows: list[dict]) -> str:
     slo = rows[0]["tags"].get("load.slo", "none")
     lines = ["", "## Serving: capacity under the SLO", "",
              f"SLO per request: {slo}. Capacity: the highest offered rate whose goodput (requests meeting every limit) "
-             "is at least load.goodput_share of it; TTFT and TPOT percentiles at that rate. single-stream: 1000 / the "
+             "is at least load.goodput_share of it (≥: the highest rate offered passed, so the SLO did not bind there; "
+             "<: no rate did); TTFT and TPOT percentiles at that rate. single-stream: 1000 / the "
              "synchronous run's median TPOT. open loop: every rate's p99 send lag within load.max_send_lag_ms.", "",
              "| format (target) | capacity req/s | TTFT ms p50 / p90 / p99 | TPOT ms p50 / p90 / p99 | max req/s | "
              "single-stream tok/s | open loop | status |", "|---|---|---|---|---|---|---|---|"]
@@ -54,7 +65,7 @@ def section(rows: list[dict]) -> str:
         m = r["metrics"]
         ttft = " / ".join(_f(m.get(k), "{:.0f}") for k in CAP_COLS[:3])
         tpot = " / ".join(_f(m.get(k), "{:.1f}") for k in CAP_COLS[3:])
-        lines.append(f"| {label(r)} | {_f(m.get('capacity_rps'), '{:.2f}')} | {ttft} | {tpot} | "
+        lines.append(f"| {label(r)} | {capacity_cell(r)} | {ttft} | {tpot} | "
                      f"{_f(m.get('max_rps'), '{:.2f}')} | {_f(single_stream(r), '{:.1f}')} | "
                      f"{r['tags'].get('load.open_loop', '?')} | {r['status']} |")
     order_cap = [label(r) for r in sorted(rows, key=lambda r: -(r["metrics"].get("capacity_rps") or 0.0))]

@@ -190,6 +190,10 @@ class LoadRun:
                                       + [c["metrics"]["request_throughput_rps"] for c in self.children])
         if pts:
             self.metrics["capacity_rps"] = cap
+            top = max(c["metrics"]["offered_rps"] for c in pts)
+            # below the lowest rate, at the highest one offered (a lower bound: the SLO did not bind), or between
+            self.tags["load.capacity_bound"] = ("below lowest rate" if cap == 0 else
+                                                "at least (highest rate offered)" if cap == top else "bracketed")
         at = next((c for c in pts if c["metrics"]["offered_rps"] == cap), None)
         if at is not None:
             for q in QUANTILES:

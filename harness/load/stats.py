@@ -123,9 +123,11 @@ def capacity(points: list[tuple[float, float]], share: float) -> float:
 
 
 def sweep_rates(sync_rps: float, max_rps: float, n: int) -> list[float]:
-    """guidellm's sweep: n rates evenly spaced strictly between the synchronous and the maximum rate (when the
-    maximum is not above the synchronous rate, n rates up to it)."""
+    """The sweep's offered rates: n rates evenly spaced above the synchronous rate up to the maximum, the maximum
+    included (guidellm stops short of it; offering it too brackets the capacity: when even the maximum keeps its
+    goodput, the SLO does not bind and throughput is the limit). A maximum not above the synchronous rate: n rates
+    up to it."""
     lo, hi = sync_rps, max(max_rps, sync_rps)
     if hi <= lo * 1.001:
         return [lo * (i + 1) / n for i in range(n)]
-    return [lo + (hi - lo) * (i + 1) / (n + 1) for i in range(n)]
+    return [lo + (hi - lo) * (i + 1) / n for i in range(n)]

@@ -1,0 +1,232 @@
+"""Serving load (harness/load/): the open loop, a dead server, no orphan server, bad `load.*` values, and the
+arithmetic behind goodput and capacity. The llama-server tests run the real binary that `scripts/setup.sh --all`
+builds, on the tiny random model's GGUF (seconds); the narrowed `+experiment=serving` sweep against both targets
+runs in tests/test_docs.py (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from harness.cli import precheck
+from harness.load import lengths
+from harness.load.driver import Request, drive, schedule
+from harness.load.run import LoadRun
+from harness.load.server import LlamaServer
+from harness.load.stats import RequestRecord, capacity, meets, summarize, sweep_rates
+from harness.run import runner
+
+TINY_SERVER = ["+size=tiny", "engine=llama_cpp", "engine.format=Q8_0", "load.profile=rates", "load.lengths=fixed:16/4",
+               "load.warmup_requests=0", "accuracy.enabled=false", "measure.device=cpu"]
+
+
+# ------------------------------------------------------------------------------------------ arithmetic
+def test_arrivals_are_seeded_and_keep_the_asked_mean_rate_and_burstiness():
+    poisson = schedule("poisson", 10.0, 4001, seed=1)
+    assert poisson == schedule("poisson", 10.0, 4001, seed=1) != schedule("poisson", 10.0, 4001, seed=2)
+    gaps = {a: [b - x for x, b in zip(t, t[1:])] for a, t in
+            {"poisson": poisson, "gamma": schedule("gamma", 10.0, 4001, seed=1, burstiness=0.25),
+             "constant": schedule("constant", 10.0, 4001, seed=1)}.items()}
+    for arrival, g in gaps.items():
+        assert statistics.mean(g) == pytest.approx(0.1, rel=0.06), arrival
+    cv = {a: statistics.pstdev(g) / statistics.mean(g) for a, g in gaps.items()}
+    assert cv["constant"] < 1e-9 and 0.9 < cv["poisson"] < 1.1 and cv["gamma"] > 1.7  # gamma CV = 1/sqrt(shape) = 2
+    assert schedule("poisson", math.inf, 3, seed=0) == [0.0, 0.0, 0.0]
+
+
+def _rec(ttft: float, tpot: float, tokens: int = 5, **kw) -> RequestRecord:
+    r = RequestRecord(index=0, prompt_tokens=8, max_tokens=tokens, scheduled=0.0, sent=0.0, finished=True, **kw)
+    r.chunks = [ttft + i * tpot for i in range(tokens)]
+    r.output_tokens = tokens
+    return r
+
+
+def test_a_request_meets_the_slo_only_within_every_limit_and_goodput_counts_the_share_that_did():
+    slo = {"ttft_ms": 100.0, "tpot_ms": 10.0}
+    assert meets(_rec(0.05, 0.005), slo)
+    assert not meets(_rec(0.2, 0.005), slo) and not meets(_rec(0.05, 0.02), slo)
+    assert not meets(_rec(0.05, 0.005, error="HTTP 500"), slo)
+    recs = [_rec(0.05, 0.005), _rec(0.05, 0.005), _rec(0.2, 0.005), _rec(0.05, 0.02)]
+    m, tags = summarize(recs, offered=4.0, slo=slo, lag_limit_ms=50, end=1.0)
+    assert m["goodput_share"] == 0.5 and m["goodput_rps"] == 2.0 and m["requests_ok"] == 4
+    assert m["serve_tpot_ms_p50"] == pytest.approx(5.0) and tags["load.open_loop"] == "true"
+    late = _rec(0.05, 0.005)
+    late.sent = 0.2  # 200 ms after its scheduled time: the client fell behind
+    m, tags = summarize([late], offered=1.0, slo={}, lag_limit_ms=50, end=1.0)
+    assert m["open_loop"] == 0.0 and "not open-loop" in tags["warning.open_loop"]
+
+
+def test_capacity_is_the_highest_offered_rate_whose_goodput_keeps_its_share():
+    points = [(1.0, 1.0), (2.0, 1.95), (3.0, 2.5), (4.0, 3.7)]  # 4.0 passes again: the highest that meets it counts
+    assert capacity(points, 0.9) == 4.0
+    assert capacity([(1.0, 0.5)], 0.9) == 0.0
+    assert capacity([(math.nan, 5.0), (2.0, 2.0)], 0.9) == 2.0  # a synchronous run offers no rate
+    assert sweep_rates(1.0, 4.0, 3) == [2.0, 3.0, 4.0]  # the maximum is offered too: it brackets the capacity
+
+
+def test_chat_lengths_are_long_tailed_prompts_with_shorter_outputs():
+    pairs = lengths.draw("chat", 400, seed=0)
+    prompts, outputs = [p for p, _ in pairs], [o for _, o in pairs]
+    assert statistics.mean(prompts) > 2 * statistics.mean(outputs)
+    assert max(prompts) > 3 * statistics.median(prompts)  # the long tail
+    assert lengths.draw("uniform:4-8/2-3", 50, 1) == lengths.draw("uniform:4-8/2-3", 50, 1)
+    assert all(4 <= p <= 8 and 2 <= o <= 3 for p, o in lengths.draw("uniform:4-8/2-3", 50, 1))
+
+
+# ------------------------------------------------------------------------------------------- open loop
+class SlowTarget:
+    """One request at a time, 0.1 s each, first token at its start: a server that is far too slow."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def submit(self, request, record, done) -> None:
+        def serve() -> None:
+            with self.lock:
+                record.chunks.append(record.now())
+                time.sleep(0.1)
+                record.chunks.append(record.now())
+            record.output_tokens, record.finished = 2, True
+            done()
+        threading.Thread(target=serve, daemon=True).start()
+
+    def problem(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+
+def test_open_loop_a_slow_target_meets_a_growing_queue_and_arrivals_keep_their_clock():
+    n, rate = 12, 50.0  # 50 requests/s offered to a target that serves 10/s
+    reqs = [Request(i, [1, 2, 3], 2) for i in range(n)]
+    records, end = drive(SlowTarget(), reqs, schedule("constant", rate, n, 0), timeout_s=30)
+    sends = [r.sent for r in records]
+    assert max(r.lag for r in records) < 0.05  # every request left on its own clock, none waited for an answer
+    assert sends[-1] < 0.4 < end  # all sent within ~0.22 s while serving them takes ~1.2 s
+    ttfts = [r.ttft for r in records]
+    assert ttfts[-1] > ttfts[0] + 0.8  # the queue grew: the last request waited for the eleven before it
+    m, _ = summarize(records, rate, {"ttft_ms": 300.0}, 50.0, end)
+    assert m["goodput_share"] < 0.5 and m["open_loop"] == 1.0
+
+
+# ------------------------------------------------------------------------------------------ llama-server
+def test_llama_server_answers_every_request_and_is_gone_after_the_run(compose, tmp_path, monkeypatch):
+    started: list[LlamaServer] = []
+    original = LlamaServer.start
+
+    def start(self, *a, **k):
+        started.append(self)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(LlamaServer, "start", start)
+    result = runner.run(compose([*TINY_SERVER, "load.rates=[40]", "load.requests=4", f"tracking.results_dir={tmp_path}"]))
+    assert result.status == "OK", result.error
+    (child,) = result.children
+    assert child["metrics"]["requests_ok"] == 4 and child["metrics"]["output_tokens_per_s"] > 0
+    assert result.metrics["capacity_rps"] == 40.0 and result.tags["load.target"] == "llama-server"
+    assert started and started[0].proc.poll() is not None  # stopped with the run
+
+
+def test_a_server_that_dies_mid_run_fails_the_run_in_one_line_and_keeps_what_was_answered(compose, tmp_path,
+                                                                                         monkeypatch):
+    original = LoadRun.point
+
+    def point(self, *a, **k):  # the second rate finds its server killed
+        if self.children:
+            self.server.proc.kill()
+            self.server.proc.wait()
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(LoadRun, "point", point)
+    result = runner.run(compose([*TINY_SERVER, "load.rates=[40,40]", "load.requests=4",
+                                 f"tracking.results_dir={tmp_path}"]))
+    assert result.status == "FAILED"
+    assert "llama-server died mid-run (killed by signal 9); log tail" in result.error and "\n" not in result.error
+    first, second = result.children
+    assert first["status"] == "OK" and first["metrics"]["requests_ok"] == 4  # answered before the death: kept
+    assert second["status"] == "FAILED" and second["metrics"]["requests_ok"] == 0
+
+
+def _marked(mark: str) -> list[int]:
+    """Pids of llama-server processes whose environment carries `mark` (inherited from the run we started)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"llama-server" in (proc / "cmdline").read_bytes() \
+                    and mark.encode() in (proc / "environ").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _wait(pred, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("how", ["sigterm", "cell_timeout"])
+def test_no_server_outlives_a_run_ended_by_sigterm_or_a_cell_killed_by_its_timeout(tmp_path, how):
+    mark = f"QB_SERVING_TEST={uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), mark.split("=")[0]: mark.split("=")[1]}
+    args = [sys.executable, "run.py", *TINY_SERVER, "load.rates=[2]", "load.requests=400",
+            f"tracking.results_dir={tmp_path}", f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep"]
+    if how == "cell_timeout":  # a one-cell sweep whose cell timeout kills it: SIGKILL to the cell's process group
+        args[2:2] = ["-m", "sweep.timeout_s=6"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert _wait(lambda: _marked(mark) or proc.poll() is not None, 120), "no llama-server started"
+        assert _marked(mark), f"the run ended before its server started: {proc.stdout.read()[-2000:]}"
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+        if how == "cell_timeout":
+            assert "TIMEOUT" in out and "sweep.timeout_s=6s" in out, out[-2000:]
+        assert _wait(lambda: not _marked(mark), 10), f"llama-server outlived its run ({how}): {_marked(mark)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("override", "says"), [
+    ("load.rates=[-1]", "must hold finite request rates > 0 (requests/s)"),
+    ("load.profile=burst", "load.profile='burst' is not allowed; choose one of: off, rates, sweep"),
+    ("load.slo.ttft_ms=0", "load.slo.ttft_ms=0.0 must be > 0"),
+    ("load.lengths=fixed:0/4", "load.lengths='fixed:0/4': lengths must be >= 1"),
+    ("load.arrival=weibull", "load.arrival='weibull' is not allowed"),
+])
+def test_a_bad_load_value_is_refused_in_one_line_before_anything_starts(override, says):
+    problem = precheck(["load.profile=rates", "load.rates=[1]", override])
+    assert problem is not None and says in problem and "\n" not in problem
+
+
+def test_the_cli_refuses_a_bad_load_value_with_exit_2_and_starts_no_server(tmp_path):
+    mark = f"QB_SERVING_TEST={uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), mark.split("=")[0]: mark.split("=")[1]}
+    out = subprocess.run([sys.executable, "run.py", *TINY_SERVER, "load.rates=[-2]", f"tracking.results_dir={tmp_path}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert out.stderr.startswith("error: load.rates=") and "must hold finite request rates > 0" in out.stderr
+    assert not _marked(mark) and not list(tmp_path.iterdir())  # nothing started, nothing written
