@@ -21,11 +21,13 @@ import pytest
 from conftest import ROOT
 
 from harness.cli import precheck
+from harness.config import build
 from harness.load import lengths
 from harness.load.driver import Request, drive, schedule
 from harness.load.run import LoadRun
 from harness.load.server import LlamaServer
 from harness.load.stats import RequestRecord, capacity, meets, summarize, sweep_rates
+from harness.records import tracking
 from harness.run import runner
 
 TINY_SERVER = ["+size=tiny", "engine=llama_cpp", "engine.format=Q8_0", "load.profile=rates", "load.lengths=fixed:16/4",
@@ -36,7 +38,7 @@ TINY_SERVER = ["+size=tiny", "engine=llama_cpp", "engine.format=Q8_0", "load.pro
 def test_arrivals_are_seeded_and_keep_the_asked_mean_rate_and_burstiness():
     poisson = schedule("poisson", 10.0, 4001, seed=1)
     assert poisson == schedule("poisson", 10.0, 4001, seed=1) != schedule("poisson", 10.0, 4001, seed=2)
-    gaps = {a: [b - x for x, b in zip(t, t[1:])] for a, t in
+    gaps = {a: [b - x for x, b in zip(t, t[1:], strict=False)] for a, t in
             {"poisson": poisson, "gamma": schedule("gamma", 10.0, 4001, seed=1, burstiness=0.25),
              "constant": schedule("constant", 10.0, 4001, seed=1)}.items()}
     for arrival, g in gaps.items():
@@ -125,7 +127,8 @@ def test_open_loop_a_slow_target_meets_a_growing_queue_and_arrivals_keep_their_c
 
 
 # ------------------------------------------------------------------------------------------ llama-server
-def test_llama_server_answers_every_request_and_is_gone_after_the_run(compose, tmp_path, monkeypatch):
+def test_llama_server_answers_every_request_is_gone_after_the_run_and_each_rate_is_a_nested_mlflow_run(
+        compose, results_overrides, monkeypatch):
     started: list[LlamaServer] = []
     original = LlamaServer.start
 
@@ -134,12 +137,22 @@ def test_llama_server_answers_every_request_and_is_gone_after_the_run(compose, t
         return original(self, *a, **k)
 
     monkeypatch.setattr(LlamaServer, "start", start)
-    result = runner.run(compose([*TINY_SERVER, "load.rates=[40]", "load.requests=4", f"tracking.results_dir={tmp_path}"]))
+    cfg = compose([*TINY_SERVER, "load.rates=[40,80]", "load.requests=4", *results_overrides])
+    result = runner.run(cfg)
     assert result.status == "OK", result.error
-    (child,) = result.children
-    assert child["metrics"]["requests_ok"] == 4 and child["metrics"]["output_tokens_per_s"] > 0
-    assert result.metrics["capacity_rps"] == 40.0 and result.tags["load.target"] == "llama-server"
+    assert [c["metrics"]["requests_ok"] for c in result.children] == [4, 4]
+    assert all(c["metrics"]["output_tokens_per_s"] > 0 for c in result.children)  # usage counted the tokens
+    assert result.metrics["capacity_rps"] in (40.0, 80.0) and result.tags["load.target"] == "llama-server"
     assert started and started[0].proc.poll() is not None  # stopped with the run
+    from mlflow import MlflowClient  # slow to import: only this test needs it
+
+    exp = build(cfg)
+    tracking.record(result, exp.tracking)
+    client = MlflowClient(exp.tracking.resolved_uri())
+    nested = client.search_runs([client.get_experiment_by_name(exp.tracking.experiment).experiment_id],
+                                f"tags.mlflow.parentRunId = '{result.mlflow_run_id}'")
+    assert sorted(r.data.tags["load.point"] for r in nested) == ["40/s", "80/s"]
+    assert all(r.data.metrics["requests_ok"] == 4 and "serve_ttft_ms_p90" in r.data.metrics for r in nested)
 
 
 def test_a_server_that_dies_mid_run_fails_the_run_in_one_line_and_keeps_what_was_answered(compose, tmp_path,
@@ -195,11 +208,15 @@ def test_no_server_outlives_a_run_ended_by_sigterm_or_a_cell_killed_by_its_timeo
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert _wait(lambda: _marked(mark) or proc.poll() is not None, 120), "no llama-server started"
-        assert _marked(mark), f"the run ended before its server started: {proc.stdout.read()[-2000:]}"
+        servers = _marked(mark)
+        assert servers, f"the run ended before its server started: {proc.stdout.read()[-2000:]}"
         if how == "sigterm":
             proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
-        if how == "cell_timeout":
+        if how == "sigterm":  # a clean stop: the run stopped and reaped its server (no zombie left to init)
+            assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
+            assert not any(Path(f"/proc/{pid}").exists() for pid in servers)
+        else:
             assert "TIMEOUT" in out and "sweep.timeout_s=6s" in out, out[-2000:]
         assert _wait(lambda: not _marked(mark), 10), f"llama-server outlived its run ({how}): {_marked(mark)}"
     finally:

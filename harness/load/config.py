@@ -52,6 +52,7 @@ class LoadConfig(Validated):
     requests: int = 32  # requests per rate
     lengths: str = "chat"  # chat (shipped) | fixed:P/O | uniform:P1-P2/O1-O2 | workload | a .jsonl of lengths
     seed: int = 0  # arrivals and lengths
+    prompt_seed: int = 0  # the prompts' text only (same lengths): repeats against a server that caches prompts
     slo: SloConfig = field(default_factory=SloConfig)
     goodput_share: float = 0.9  # capacity: the highest offered rate whose goodput is at least this share of it
     url: str = ""  # an OpenAI-compatible server already running (base URL); empty = quantbench starts its target
@@ -94,6 +95,7 @@ class LoadConfig(Validated):
         positive(p, "load.max_send_lag_ms", self.max_send_lag_ms)
         positive(p, "load.request_timeout_s", self.request_timeout_s)
         positive(p, "load.warmup_requests", self.warmup_requests, allow_zero=True)
+        positive(p, "load.prompt_seed", self.prompt_seed, allow_zero=True)
         if not isinstance(self.goodput_share, (int, float)) or not 0 < self.goodput_share <= 1:
             p.append(f"load.goodput_share={self.goodput_share!r} must be in (0, 1]")
         if self.url and not str(self.url).startswith(("http://", "https://")):

@@ -1,9 +1,9 @@
 """The serving section of a sweep's report: the capacity table and the latency-throughput figure (serving.png).
 
 One line per format and target (in-process: the quantizer; llama-server or a URL: the GGUF format). The
-figure draws each line's rates (the sweep's synchronous and maximum runs included) as p90 TTFT and p90 TPOT
-against the request throughput they achieved, with the SLO limits as horizontal lines: where a curve bends
-up is where the format runs out of room.
+figure draws each line's offered rates as p90 TTFT and p90 TPOT against the request throughput they achieved
+(the sweep's synchronous run a hollow circle, its maximum-throughput run an x), with the SLO limits as
+horizontal lines: where a curve bends up is where the format runs out of room.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from harness.analysis import figures
 
+SWEEP_ENDS = ("synchronous", "throughput")  # the sweep's two closed runs: drawn as markers, not as rates
 CAP_COLS = ("capacity_ttft_ms_p50", "capacity_ttft_ms_p90", "capacity_ttft_ms_p99",
             "capacity_tpot_ms_p50", "capacity_tpot_ms_p90", "capacity_tpot_ms_p99")
 
@@ -91,13 +92,18 @@ def write(folder: Path, rows: list[dict], title: str = "serving") -> list[Path]:
             key, value = part.split("<=")
             limits[key.strip()] = float(value)
     for k, r in enumerate(sorted(rows, key=label)):
-        pts = sorted((c for c in r["children"] if c["metrics"].get("requests_ok")),
-                     key=lambda c: c["metrics"]["request_throughput_rps"])
-        xs = [c["metrics"]["request_throughput_rps"] for c in pts]
+        done = [c for c in r["children"] if c["metrics"].get("requests_ok")]
+        rates = sorted((c for c in done if c["tags"].get("load.point") not in SWEEP_ENDS),
+                       key=lambda c: c["metrics"]["offered_rps"])
         style = "-o" if r["tags"].get("load.target") == "in-process" else "--s"
         for ax, key in zip(axes, ("ttft", "tpot"), strict=True):
-            ax.plot(xs, [c["metrics"][f"serve_{key}_ms_p90"] for c in pts], style, color=colors(k % 10), ms=4,
+            ax.plot([c["metrics"]["request_throughput_rps"] for c in rates],
+                    [c["metrics"][f"serve_{key}_ms_p90"] for c in rates], style, color=colors(k % 10), ms=4,
                     label=label(r))
+            for c in done:  # the sweep's synchronous (hollow) and maximum-throughput (x) runs, not joined
+                if (point := c["tags"].get("load.point")) in SWEEP_ENDS:
+                    ax.plot(c["metrics"]["request_throughput_rps"], c["metrics"][f"serve_{key}_ms_p90"],
+                            "x" if point == "throughput" else "o", fillstyle="none", color=colors(k % 10), ms=6)
     for ax, key, name in zip(axes, ("ttft_ms", "tpot_ms"), ("p90 TTFT (ms)", "p90 TPOT (ms)"), strict=True):
         if key in limits:
             ax.axhline(limits[key], color="black", lw=1, ls=":", label=f"SLO {key} <= {limits[key]:g}")
@@ -105,6 +111,7 @@ def write(folder: Path, rows: list[dict], title: str = "serving") -> list[Path]:
         ax.set_xlabel("achieved request throughput (req/s)")
         ax.set_ylabel(name)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=7)
+    for ax in axes:
+        ax.legend(fontsize=7)
     fig.suptitle(f"{title}: latency against throughput, per format and target")
     return [figures.save(fig, Path(folder) / "serving.png")]

@@ -16,9 +16,12 @@ carries over from one rate to the next).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import signal
 import statistics
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,18 @@ from harness.run.hooks import Outcome
 from harness.run.llama_cpp import convert, linear_bits
 
 log = logging.getLogger("quantbench")
+
+
+def stop_on_sigterm() -> Any:
+    """SIGTERM ends the run through its `finally` (a clean stop: the server is stopped and reaped, not left to the
+    kernel's parent-death signal), exit status 143. Only the main thread can; returns the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, on_term)
 
 
 class LoadFailed(QuantbenchError):
@@ -91,7 +106,7 @@ class LoadRun:
         """Rate k's requests: the same lengths, prompts from other offsets of the text (seed + k)."""
         if self.cfg.lengths == "workload":
             return [Request(i, list(p), o, tag=f"r{k}") for i, (p, o) in enumerate(base)]
-        ids = lengths.prompts(tokenizer, [p for p, _ in base], self.cfg.seed + 1000 * (k + 1))
+        ids = lengths.prompts(tokenizer, [p for p, _ in base], self.cfg.seed + 1000 * (k + 1) + 10**6 * self.cfg.prompt_seed)
         return [Request(i, ids[i], o, tag=f"r{k}") for i, (_, o) in enumerate(base)]
 
     # ------------------------------------------------------------------------------------------ target
@@ -162,7 +177,7 @@ class LoadRun:
         return metrics
 
     def rates(self, tokenizer: Any, base: list) -> None:
-        cfg, k = self.cfg, iter(range(10**6))
+        cfg, k = self.cfg, itertools.count()  # rate k's prompts: their own text windows
         if cfg.warmup_requests:  # untimed: first calls allocate and pick kernels
             drive(self.target, self.prompts_for(tokenizer, base[:cfg.warmup_requests], -1),
                   [0.0] * min(cfg.warmup_requests, len(base)), cfg.request_timeout_s, concurrency=1)
@@ -221,6 +236,7 @@ class LoadRun:
         max_len = max((p if isinstance(p, int) else len(p)) + o for p, o in base)
         self.metrics.update({"prompt_len_tokens": statistics.median(p if isinstance(p, int) else len(p) for p, _ in base),
                              "decode_len_tokens": statistics.median(o for _, o in base)})
+        previous = stop_on_sigterm()
         try:
             self.open(tokenizer, max_len, threads)
             self.rates(tokenizer, base)
@@ -228,7 +244,9 @@ class LoadRun:
             self.conclude()
             raise LoadFailed(str(exc), self.outcome()) from exc
         finally:
-            self.close()
+            self.close()  # the server is stopped and reaped here, SIGTERM included
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         self.conclude()
         if self.estimate is not None:
             self.metrics.update(memory.metrics(self.estimate))

@@ -87,8 +87,12 @@ def upload(folder: Path, tcfg: TrackingConfig, own_experiment: bool = False) -> 
             target = dataclasses.replace(tcfg, experiment=own if own and isinstance(own, str) else tcfg.experiment)
         try:
             result.tags.pop("tracking_error", None)
-            result.mlflow_run_id = already_sent(result, target) or log_to_mlflow(
-                result, target, result.tags.get(PARENT_TAG) or None)
+            sent = already_sent(result, target)
+            if not sent:
+                sent = log_to_mlflow(result, target, result.tags.get(PARENT_TAG) or None)
+                for child in child_results(result):  # a load run's rates, nested under it as `record` does
+                    log_to_mlflow(child, target, sent)
+            result.mlflow_run_id = sent
             write_json_atomic(path, result.to_dict())
             done += 1
         except Exception as exc:  # noqa: BLE001
