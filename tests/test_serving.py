@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT
 
 from harness.cli import precheck
-from harness.config import build
+from harness.config import build, to_plain
 from harness.load import lengths
 from harness.load.driver import Request, drive, schedule
 from harness.load.run import LoadRun
@@ -29,6 +29,8 @@ from harness.load.server import LlamaServer
 from harness.load.stats import RequestRecord, capacity, meets, summarize, sweep_rates
 from harness.records import tracking
 from harness.run import runner
+from harness.sweep.isolated import run_isolated
+from harness.sweep.settings import SweepSettings
 
 TINY_SERVER = ["+size=tiny", "engine=llama_cpp", "engine.format=Q8_0", "load.profile=rates", "load.lengths=fixed:16/4",
                "load.warmup_requests=0", "accuracy.enabled=false", "measure.device=cpu"]
@@ -197,32 +199,55 @@ def _wait(pred, timeout: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("how", ["sigterm", "cell_timeout"])
-def test_no_server_outlives_a_run_ended_by_sigterm_or_a_cell_killed_by_its_timeout(tmp_path, how):
+def test_no_server_outlives_a_run_ended_by_sigterm(tmp_path):
     mark = f"QB_SERVING_TEST={uuid.uuid4().hex}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), mark.split("=")[0]: mark.split("=")[1]}
     args = [sys.executable, "run.py", *TINY_SERVER, "load.rates=[2]", "load.requests=400",
-            f"tracking.results_dir={tmp_path}", f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep"]
-    if how == "cell_timeout":  # a one-cell sweep whose cell timeout kills it: SIGKILL to the cell's process group
-        args[2:2] = ["-m", "sweep.timeout_s=6"]
+            f"tracking.results_dir={tmp_path}", f"hydra.run.dir={tmp_path}/run"]
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert _wait(lambda: _marked(mark) or proc.poll() is not None, 120), "no llama-server started"
         servers = _marked(mark)
         assert servers, f"the run ended before its server started: {proc.stdout.read()[-2000:]}"
-        if how == "sigterm":
-            proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
-        if how == "sigterm":  # a clean stop: the run stopped and reaped its server (no zombie left to init)
-            assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
-            assert not any(Path(f"/proc/{pid}").exists() for pid in servers)
-        else:
-            assert "TIMEOUT" in out and "sweep.timeout_s=6s" in out, out[-2000:]
-        assert _wait(lambda: not _marked(mark), 10), f"llama-server outlived its run ({how}): {_marked(mark)}"
+        # a clean stop: the run stopped and reaped its server (no zombie left to init)
+        assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
+        assert not any(Path(f"/proc/{pid}").exists() for pid in servers)
     finally:
         if proc.poll() is None:
             proc.kill()
         for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_no_server_outlives_a_sweep_cell_killed_by_its_timeout(compose, tmp_path, monkeypatch):
+    """The sweep's own cell runner (harness/sweep/isolated.py): SIGKILL to the cell's process group at the timeout."""
+    key, value = "QB_SERVING_TEST", uuid.uuid4().hex
+    monkeypatch.setenv(key, value)  # the cell gets the sweep's environment, and its server the cell's
+    config = to_plain(compose([*TINY_SERVER, "load.rates=[2]", "load.requests=400", f"tracking.results_dir={tmp_path}"]))
+    config.pop("hydra", None)
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.update(_marked(f"{key}={value}"))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = run_isolated(config, SweepSettings(timeout_s=5), "")
+    finally:
+        stop.set()
+        watcher.join()
+    assert result.status == "TIMEOUT" and "sweep.timeout_s=5s" in result.error
+    assert seen, "the cell was killed before its server started"
+    try:
+        assert _wait(lambda: not _marked(f"{key}={value}"), 10), "llama-server outlived its killed cell"
+    finally:
+        for pid in _marked(f"{key}={value}"):
             os.kill(pid, signal.SIGKILL)
 
 
