@@ -17,6 +17,7 @@ target is dead; and `close()`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import threading
@@ -70,11 +71,7 @@ def schedule(arrival: str, rate: float, n: int, seed: int, burstiness: float = 1
         gaps = [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n - 1)]
     else:
         raise ValueError(f"unknown arrival {arrival!r}")
-    times, t = [0.0], 0.0
-    for g in gaps:
-        t += g
-        times.append(t)
-    return times
+    return [0.0, *itertools.accumulate(gaps)]
 
 
 def drive(target: Target, requests: list[Request], times: list[float], timeout_s: float,
@@ -120,6 +117,6 @@ def drive(target: Target, requests: list[Request], times: list[float], timeout_s
             if time.perf_counter() - t0 > rec.sent + timeout_s:
                 break
     check()  # refused connections end requests at once, without a wait that would have noticed the death
-    stamps = [r.chunks[-1] for r in records if r.chunks]
-    late = [r.sent + timeout_s for r, e in zip(records, ended, strict=True) if not e.is_set()]
-    return records, max(stamps + late + [time.perf_counter() - t0 if not stamps else 0.0])
+    ends = [r.chunks[-1] for r in records if r.chunks]  # the last chunk, or the deadline of one never ended
+    ends += [r.sent + timeout_s for r, e in zip(records, ended, strict=True) if not e.is_set()]
+    return records, max(ends, default=time.perf_counter() - t0)

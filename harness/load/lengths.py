@@ -84,23 +84,21 @@ def draw(spec: str, n: int, seed: int) -> list[tuple[int, int]]:
     return [rng.choice(pairs) for _ in range(n)]
 
 
-def text_ids(tokenizer: Any) -> list[int]:
-    """The token stream prompts are cut from: real English text, without special tokens."""
+def text_ids(tokenizer: Any) -> list[int] | None:
+    """The token stream prompts are cut from: real English text, without special tokens; None for a model
+    without a text tokenizer (model=random)."""
     text = "\n\n".join(p.read_text() for p in TEXTS)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def prompts(tokenizer: Any, lengths: list[int], seed: int) -> list[list[int]]:
-    """One prompt of each length: a window of the text stream at a seeded offset (the stream repeats). A model
-    without a text tokenizer (model=random) gets seeded random ordinary ids instead."""
     try:
-        stream = text_ids(tokenizer)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     except QuantbenchError:
+        return None
+
+
+def prompts(tokenizer: Any, stream: list[int] | None, lengths: list[int], seed: int) -> list[list[int]]:
+    """One prompt of each length: a window of `stream` (text_ids) at a seeded offset, the stream repeating; seeded
+    random ordinary ids where there is no stream."""
+    if stream is None:
         return [random_ids(tokenizer, n, seed, 100 + i) for i, n in enumerate(lengths)]
     rng = random.Random(seed + 1)
-    out = []
-    for n in lengths:
-        start = rng.randrange(len(stream))
-        reps = -(-(start + n) // len(stream))
-        out.append((stream * reps)[start:start + n])
-    return out
+    starts = [rng.randrange(len(stream)) for _ in lengths]
+    return [[stream[(s + j) % len(stream)] for j in range(n)] for s, n in zip(starts, lengths, strict=True)]

@@ -58,9 +58,9 @@ def stop_on_sigterm() -> Any:
 class LoadFailed(QuantbenchError):
     """A load run that ended early (a dead target): `outcome` keeps every rate answered before it."""
 
-    def __init__(self, message: str, outcome: Outcome):
+    def __init__(self, message: str, outcome: Outcome, threads: int):
         super().__init__(message)
-        self.outcome = outcome
+        self.outcome, self.threads = outcome, threads
 
 
 def target_kind(exp: Experiment) -> str:
@@ -82,6 +82,11 @@ class LoadRun:
         self.session: Any = None
         self.server: LlamaServer | None = None
         self.estimate = None
+        self.threads = 0
+        self.tokenizer: Any = None
+        self.lengths: list[tuple[int, int]] = []  # (prompt tokens, output tokens) of each request, every rate
+        self.fixed: list[list[int]] | None = None  # load.lengths=workload: the run's own prompts
+        self.stream: list[int] | None = None  # the text prompts are cut from (lengths.text_ids)
 
     def preflight(self) -> None:
         """Cheap checks before anything loads or starts: the server binary, the engine, memory."""
@@ -94,24 +99,29 @@ class LoadRun:
             self.estimate = memory.check(exp, self.device)
 
     # ---------------------------------------------------------------------------------------- requests
-    def requests(self, tokenizer: Any) -> list[tuple[Any, int]]:
-        """The run's (prompt, output tokens) pairs: a prompt's ids (`workload`) or its drawn length."""
+    def requests(self) -> None:
+        """The run's request lengths (the same at every rate), and what their prompts are cut from."""
         cfg, n = self.cfg, self.cfg.requests
         if cfg.lengths == "workload":
-            wl = workloads.resolve(self.exp.measure, tokenizer)
-            return [(wl.prompts[i % len(wl.prompts)], wl.limits[i % len(wl.limits)]) for i in range(n)]
-        return lengths.draw(str(cfg.lengths), n, cfg.seed)
+            wl = workloads.resolve(self.exp.measure, self.tokenizer)
+            self.fixed = [wl.prompts[i % len(wl.prompts)] for i in range(n)]
+            self.lengths = [(len(p), wl.limits[i % len(wl.limits)]) for i, p in enumerate(self.fixed)]
+        else:
+            self.lengths = lengths.draw(str(cfg.lengths), n, cfg.seed)
+            self.stream = lengths.text_ids(self.tokenizer)
 
-    def prompts_for(self, tokenizer: Any, base: list[tuple[list[int] | int, int]], k: int) -> list[Request]:
-        """Rate k's requests: the same lengths, prompts from other offsets of the text (seed + k)."""
-        if self.cfg.lengths == "workload":
-            return [Request(i, list(p), o, tag=f"r{k}") for i, (p, o) in enumerate(base)]
-        ids = lengths.prompts(tokenizer, [p for p, _ in base], self.cfg.seed + 1000 * (k + 1) + 10**6 * self.cfg.prompt_seed)
-        return [Request(i, ids[i], o, tag=f"r{k}") for i, (_, o) in enumerate(base)]
+    def prompts_for(self, k: int, count: int | None = None) -> list[Request]:
+        """Rate k's requests (the first `count`): the same lengths, prompts from other offsets of the text."""
+        pairs = self.lengths[:count]
+        if self.fixed is not None:
+            return [Request(i, list(p), o, tag=f"r{k}") for i, (p, (_, o)) in enumerate(zip(self.fixed, pairs, strict=False))]
+        seed = self.cfg.seed + 1000 * (k + 1) + 10**6 * self.cfg.prompt_seed
+        ids = lengths.prompts(self.tokenizer, self.stream, [p for p, _ in pairs], seed)
+        return [Request(i, ids[i], o, tag=f"r{k}") for i, (_, o) in enumerate(pairs)]
 
     # ------------------------------------------------------------------------------------------ target
-    def open(self, tokenizer: Any, max_len: int, threads: int) -> None:
-        exp, cfg = self.exp, self.cfg
+    def open(self, max_len: int) -> None:
+        exp, cfg, tokenizer, threads = self.exp, self.cfg, self.tokenizer, self.threads
         if self.kind == "url":
             self.target = HttpTarget(cfg.url, tokenizer=tokenizer, api_model=cfg.api_model,
                                      timeout_s=cfg.request_timeout_s, name="url")
@@ -176,25 +186,25 @@ class LoadRun:
             raise QuantbenchError(died)
         return metrics
 
-    def rates(self, tokenizer: Any, base: list) -> None:
+    def rates(self) -> None:
         cfg, k = self.cfg, itertools.count()  # rate k's prompts: their own text windows
         if cfg.warmup_requests:  # untimed: first calls allocate and pick kernels
-            drive(self.target, self.prompts_for(tokenizer, base[:cfg.warmup_requests], -1),
-                  [0.0] * min(cfg.warmup_requests, len(base)), cfg.request_timeout_s, concurrency=1)
+            warm = self.prompts_for(-1, cfg.warmup_requests)
+            drive(self.target, warm, [0.0] * len(warm), cfg.request_timeout_s, concurrency=1)
         if cfg.arrival == "concurrency":
-            self.point(f"concurrency {cfg.concurrency}", self.prompts_for(tokenizer, base, next(k)), math.inf,
+            self.point(f"concurrency {cfg.concurrency}", self.prompts_for(next(k)), math.inf,
                        concurrency=cfg.concurrency)
             return
         offered = list(cfg.rates)
         if cfg.profile == "sweep":
-            sync = self.point("synchronous", self.prompts_for(tokenizer, base, next(k)), math.inf, concurrency=1)
-            top = self.point("throughput", self.prompts_for(tokenizer, base, next(k)), math.inf)
+            sync = self.point("synchronous", self.prompts_for(next(k)), math.inf, concurrency=1)
+            top = self.point("throughput", self.prompts_for(next(k)), math.inf)
             self.metrics["sync_rps"] = sync["request_throughput_rps"]
             self.metrics["sync_output_tokens_per_s"] = sync["output_tokens_per_s"]
             self.metrics["max_rps"] = top["request_throughput_rps"]
             offered = sweep_rates(sync["request_throughput_rps"], top["request_throughput_rps"], cfg.sweep_rates)
         for rate in offered:
-            self.point(f"{rate:.3g}/s", self.prompts_for(tokenizer, base, next(k)), float(rate))
+            self.point(f"{rate:.3g}/s", self.prompts_for(next(k)), float(rate))
 
     def conclude(self) -> None:
         """The parent's metrics: capacity under the SLO and the latencies at that rate."""
@@ -225,24 +235,19 @@ class LoadRun:
         return Outcome(metrics=self.metrics, tags=self.tags, samples=[], children=self.children)
 
     def run(self) -> Outcome:
-        import torch  # heavy: harness/run/runner.py (imported by run.py's CLI) imports this module
-
-        exp, m = self.exp, self.exp.measure
         self.preflight()
-        threads = measure.set_threads(m.threads)
-        torch.manual_seed(m.seed)
-        tokenizer = load_tokenizer(exp.model)
-        base = self.requests(tokenizer)
-        max_len = max((p if isinstance(p, int) else len(p)) + o for p, o in base)
-        self.metrics.update({"prompt_len_tokens": statistics.median(p if isinstance(p, int) else len(p) for p, _ in base),
-                             "decode_len_tokens": statistics.median(o for _, o in base)})
+        self.threads = measure.set_threads(self.exp.measure.threads)
+        self.tokenizer = load_tokenizer(self.exp.model)
+        self.requests()
+        self.metrics.update({"prompt_len_tokens": statistics.median(p for p, _ in self.lengths),
+                             "decode_len_tokens": statistics.median(o for _, o in self.lengths)})
         previous = stop_on_sigterm()
         try:
-            self.open(tokenizer, max_len, threads)
-            self.rates(tokenizer, base)
+            self.open(max(p + o for p, o in self.lengths))
+            self.rates()
         except QuantbenchError as exc:
             self.conclude()
-            raise LoadFailed(str(exc), self.outcome()) from exc
+            raise LoadFailed(str(exc), self.outcome(), self.threads) from exc
         finally:
             self.close()  # the server is stopped and reaped here, SIGTERM included
             if previous is not None:

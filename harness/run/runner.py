@@ -69,8 +69,8 @@ def execute(exp: Experiment) -> Result:
     m = exp.measure
     device = measure.resolve_device(m.device)
     if exp.load.enabled:  # serving load: open-loop arrivals against a target (harness/load/)
-        outcome = LoadRun(exp, device).run()
-        threads = measure.set_threads(m.threads)
+        load = LoadRun(exp, device)
+        outcome, threads = load.run(), load.threads
     else:
         pipe = Pipeline(exp, device)
         outcome = pipe.run()  # preflight (files, libraries, device, corpus, memory) first: nothing loads before it
@@ -123,7 +123,7 @@ def run(cfg: Any) -> Result:
             log.error("run failed: %s", message)
         if isinstance(exc, LoadFailed) and exp is not None:  # the rates answered before the target died are kept
             device = measure.resolve_device(exp.measure.device)
-            result = _result(exp, device, measure.set_threads(exp.measure.threads), exc.outcome, status)
+            result = _result(exp, device, exc.threads, exc.outcome, status)
             result.error, result.traceback = message, traceback.format_exc()
         else:
             result = Result(status=status, config=config, error=message,
