@@ -101,6 +101,7 @@ def one_row_table(threads: int, small: bool = False) -> int:
 
     from harness.env import cpu_info
     from harness.measure import set_threads
+    from quantizers import rows8
 
     n_threads = set_threads(threads)
     n, k, mats = (1024, 1024, 2) if small else (14336, 4096, 6)
@@ -127,6 +128,10 @@ def one_row_table(threads: int, small: bool = False) -> int:
         "int4 _weight_int4pack_mm_for_cpu (g64)": (
             lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 64, i4s) for w in i4], 0.5 + 4 / 64),
     }
+    if rows8.available(cpu_info())[0]:  # quantbench's own 8-row kernel (quantizers/rows8.py)
+        rows8.load()
+        cands["bf16 rows8 (measure.gemv=rows8)"] = (lambda: [rows8.gemv16(x, w) for w in bf], 2.0)
+        cands["fp16 rows8"] = (lambda: [rows8.gemv16(xh, w) for w in half], 2.0)
     if importlib.util.find_spec("zentorch") is not None:
         import zentorch  # noqa: F401 - registers torch.ops.zentorch
 

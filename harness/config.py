@@ -37,6 +37,7 @@ from harness.schema import (
     DEVICES,
     DTYPES,
     GEMV_KERNELS,
+    HUGEPAGES,
     Validated,
     positive,
 )
@@ -66,6 +67,7 @@ class MeasureConfig(Validated):
     cv_warn: float = 0.10  # warn when tokens/s coefficient of variation exceeds this
     path: str = "best"  # decode path: best (measured table, harness/measure/paths.py) | eager | compiled | freezing
     gemv: str = "auto"  # one-row 16-bit matmuls on CPU: auto (measured table) | onednn | aten
+    hugepages: str = "auto"  # the weights on 2 MiB pages: auto (on where a Linux CPU run can) | on | off
     cache: str = "dynamic"  # KV cache kind: dynamic | static
     compile: bool = False  # torch.compile the decode step
     compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs on CUDA) | max-autotune[-no-cudagraphs]
@@ -100,7 +102,8 @@ class MeasureConfig(Validated):
         if (err := one_of("measure.compile_backend", self.compile_backend, COMPILE_BACKENDS)):
             p.append(err)
         p.extend(e for e in (one_of("measure.path", self.path, DECODE_PATHS),
-                             one_of("measure.gemv", self.gemv, GEMV_KERNELS)) if e)
+                             one_of("measure.gemv", self.gemv, GEMV_KERNELS),
+                             one_of("measure.hugepages", self.hugepages, HUGEPAGES)) if e)
         if self.compile and self.cache != "static":
             p.append("measure.compile=true needs fixed decode shapes: add measure.cache=static")
         positive(p, "measure.prompt_tokens", self.prompt_tokens, allow_zero=True)

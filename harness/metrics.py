@@ -94,6 +94,7 @@ _TABLE: list[Metric] = [
     Metric("linear_layers", "count", _N, "load", "linear layers the quantizer targets"),
     Metric("quantized_layers", "count", _N, "load", "targeted linear layers actually stored quantized"),
     Metric("all_linear_layers", "count", _N, "load", "every linear layer, skipped ones (lm_head) included"),
+    Metric("weights_hugepage_share", "ratio", _H, "load", "share of the weight bytes on 2 MiB pages (measure.hugepages)"),
     # ---- prepare (harness/measure/fast_path.py)
     Metric("compile_s", "s", _L, "prepare", "torch.compile of the decode step (fast path), outside the timing"),
     Metric("compiled_match", "flag", _H, "prepare", "1 when compiled greedy tokens equal eager ones, else 0"),
@@ -312,6 +313,7 @@ _FAMILIES: list[tuple[re.Pattern[str], Metric]] = sorted(
     key=lambda fm: -len(_PLACEHOLDER.sub("", fm[1].name)))  # the most specific (longest literal part) first
 
 HEADLINE = "decode_tokens_per_s"  # the run's headline speed: the report's ratio and plot, the gate's speed
+DIRECTION_MARK = {"higher": " ↑", "lower": " ↓"}  # a report column header's mark of the better direction
 
 
 def lookup(name: str) -> Metric | None:
@@ -353,10 +355,6 @@ def gate_accuracy_metrics() -> list[str]:
 def report_columns() -> list[str]:
     """The metrics the sweep report shows as columns, in column order (each has `column`)."""
     return sorted((m.name for m in _TABLE if m.column is not None), key=lambda n: METRICS[n].column.at)
-
-
-def direction_mark(better: str) -> str:
-    return {"higher": " ↑", "lower": " ↓"}.get(better, "")
 
 
 def markdown_table() -> str:

@@ -15,7 +15,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 COMPILE_MATCH = ("near_tie", "strict")  # how the compiled-vs-eager token check fails (harness/measure/fast_path.py)
 COMPILE_BACKENDS = ("inductor", "zentorch")  # torch.compile backend of the decode step (harness/measure/fast_path.py)
 DECODE_PATHS = ("best", "eager", "compiled", "freezing")  # measure.path (harness/measure/paths.py)
-GEMV_KERNELS = ("auto", "onednn", "aten")  # measure.gemv: one-row 16-bit matmuls on CPU (harness/measure/paths.py)
+GEMV_KERNELS = ("auto", "onednn", "aten", "rows8")  # measure.gemv: one-row 16-bit matmuls on CPU (harness/measure/paths.py)
+HUGEPAGES = ("auto", "on", "off")  # measure.hugepages: the weights on 2 MiB pages (harness/measure/hugepages.py)
 
 
 def positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:

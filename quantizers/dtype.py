@@ -191,8 +191,8 @@ class Auto16(Dtype):
     def preflight(self, device: str) -> None:
         super().preflight(device)
         if not self._why:
-            aten = gemv_choice(self._gemv, device, env.cpu_info())[0] == "aten"
-            self.dtype, self._why = sixteen_choice(device, aten)
+            kernel = gemv_choice(self._gemv, device, env.cpu_info())[0]
+            self.dtype, self._why = sixteen_choice(device, kernel)
 
     def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
         model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)

@@ -33,6 +33,7 @@ class Int8PackLinear(torch.nn.Module):
         self.register_buffer("scale", scale.reshape(-1).contiguous())
         self.bias = bias
         self.upcast_rows = upcast_rows  # 0: never (CPUs with native bf16)
+        self.one_row = False  # measure.gemv=rows8: one-row inputs take quantbench's kernel (quantizers/rows8.py)
 
     def forward(self, x: Any) -> Any:
         x2 = x.reshape(-1, self.in_features)
@@ -43,6 +44,8 @@ class Int8PackLinear(torch.nn.Module):
                     buf = _SCRATCH[tuple(self.qdata.shape)] = torch.empty(self.qdata.shape, dtype=torch.float32)
             torch.mul(self.qdata, self.scale.float()[:, None], out=buf)
             y = torch.nn.functional.linear(x2.float(), buf).to(x.dtype)
+        elif self.one_row and x2.shape[0] == 1:
+            y = torch.ops.quantbench.gemv8(x2, self.qdata, self.scale).view(1, -1)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qdata, self.scale.to(x.dtype))
         if self.bias is not None:

@@ -46,6 +46,11 @@ if ! command -v g++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; the
   $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends g++
 fi
 
+# quantbench's one-row 16-bit kernel (measure.gemv=rows8, quantizers/rows8.py), built once per torch version into
+# the cache (~10-25 s) so that no run or test pays for it; nothing to build on a CPU without AVX-512
+"$VENV/bin/python" -c "from harness import env; from quantizers import rows8
+if rows8.available(env.cpu_info())[0]: rows8.load()"
+
 if [ "$ALL" = 1 ]; then
   : # --- test-only extras (one block per feature; keep each idempotent) ---
   # llama.cpp peer engine (engine=llama_cpp): llama-cpp-python compiles llama.cpp (~5 min on 2 cores).

@@ -43,7 +43,7 @@ def zen4(monkeypatch):
 def test_best_reads_the_measured_row_for_this_cpu_format_and_size(zen4, monkeypatch):
     exp = _exp("quantizer=bf16")
     choice = paths.settle(exp, "cpu")
-    assert (choice.path, choice.gemv) == ("compiled", "aten")
+    assert (choice.path, choice.gemv) == ("compiled", "rows8")  # quantbench's 8-row kernel (quantizers/rows8.py)
     assert exp.measure.compile and exp.measure.cache == "static" and not exp.measure.compile_freezing
     assert choice.by.startswith("zen4 16 >= 1B params") and "cpu_kernels.py" in choice.by
     assert paths.settle(exp, "cpu") is choice  # idempotent: run.py and the runner both call it
@@ -135,14 +135,14 @@ def test_stream_rate_reads_every_weight_matrix_once_head_included(tiny_llama):
 def test_auto16_picks_what_streams_faster_records_why_and_llama_cpp_follows(zen4, monkeypatch, tmp_path):
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
     monkeypatch.setattr(one_row, "rates", lambda *a, **k: {"bfloat16": 30.0, "float16": 34.0})
-    assert one_row.sixteen_choice("cpu", True)[0] == "float16"  # 34 >= 1.10 x 30
+    assert one_row.sixteen_choice("cpu", "aten")[0] == "float16"  # 34 >= 1.10 x 30
     assert llama_cpp.sixteen_format("cpu") == "F16"
     monkeypatch.setattr(one_row, "rates", lambda *a, **k: pytest.fail("measured twice"))  # cached per host
-    dtype, why = one_row.sixteen_choice("cpu", True)
+    dtype, why = one_row.sixteen_choice("cpu", "aten")
     assert dtype == "float16" and "bf16 30.0 GB/s, fp16 34.0 GB/s" in why
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "other"))
     monkeypatch.setattr(one_row, "rates", lambda *a, **k: {"bfloat16": 30.0, "float16": 32.0})
-    assert one_row.sixteen_choice("cpu", True)[0] == "bfloat16" and llama_cpp.sixteen_format("cpu") == "BF16"
+    assert one_row.sixteen_choice("cpu", "aten")[0] == "bfloat16" and llama_cpp.sixteen_format("cpu") == "BF16"
     q = build(compose(["model=tiny_random", "quantizer=auto16"])).quantizer
     q.preflight("cpu")
     assert q.name == "auto16" and q.dtype == "bfloat16"
@@ -154,5 +154,5 @@ def test_a_run_records_its_path_its_kernel_and_the_kernels_streaming_rate(result
                                            *results_overrides])))
     t, m = result.tags, result.metrics
     assert t["measure.path"] == "best" and t["decode_path"] == "eager" and t["decode_path.by"].startswith("no measured")
-    assert t["kernel.gemv"] in ("aten", "onednn") and t["kernel.gemv_by"]
+    assert t["kernel.gemv"] == one_row.gemv_choice("auto", "cpu", env.cpu_info())[0] and t["kernel.gemv_by"]
     assert m["kernel_stream_gb"] > 0 and m["kernel_stream_gbps"] > 0

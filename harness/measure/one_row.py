@@ -24,8 +24,10 @@ import torch
 
 from harness import env
 from harness.cache import cache_root
+from harness.errors import QuantbenchError
 from harness.measure import now, sync
 from harness.measure.kernels import is_linear_op
+from quantizers import rows8
 from quantizers.base import module_bytes
 from strategies.decode import OneDnnOff
 
@@ -33,9 +35,10 @@ log = logging.getLogger("quantbench")
 GB = 1e9
 # measure.gemv=auto: where ATen's one-row GEMV beats oneDNN's for 16-bit weights (module docstring)
 GEMV: dict[str, tuple[str, str]] = {
-    "zen4": ("aten", "benchmarks/cpu_kernels.py --one-row on AMD EPYC family 25 model 17 (Zen 4), 2026-12-05: "
-                     "bf16 one row 31 GB/s ATen vs 19 oneDNN"),
-    "zen5": ("aten", "Zen 4's row (same ISA line; not re-measured on Zen 5)"),
+    "zen4": ("rows8", "AMD EPYC family 25 model 17 (Zen 4), 2 threads, 2026-12-05: every Llama-3.2-1B matrix at "
+                      "one row, fp16, rows8 46.8 GB/s vs ATen 39.1 (oneDNN bf16 19); the 1B fp16 compiled step "
+                      "against llama.cpp F16 in the paired gate: -21.0% with ATen, -4.0% with rows8"),
+    "zen5": ("rows8", "Zen 4's row (same ISA line; not re-measured on Zen 5)"),
 }
 FP16_MARGIN = 1.10  # fp16 only when it streams >= 10% faster: without AVX512_FP16 its prefill is ~10x slower
 
@@ -48,11 +51,22 @@ def gemv_off_onednn(active: bool) -> contextlib.AbstractContextManager:
 def gemv_choice(setting: str, device: str, cpu: env.CpuInfo) -> tuple[str, str]:
     if not device.startswith("cpu"):
         return "n/a", f"measure.gemv applies to CPU runs ({device})"
+    if setting == "rows8":
+        rows8.require(cpu)
+        rows8.load()  # builds once (~25 s), or says in one line why it cannot, before any model loads
+        return setting, "measure.gemv=rows8"
     if setting != "auto":
         return setting, f"measure.gemv={setting}"
     if not cpu.native_bf16:
         return "aten", "bf16 is not native on this CPU: oneDNN does not take bf16 matmuls, ATen's GEMV runs either way"
-    return GEMV.get(cpu.uarch, ("onednn", f"no measured row for {cpu.uarch or cpu.isa}: torch's own dispatch"))
+    kernel, why = GEMV.get(cpu.uarch, ("onednn", f"no measured row for {cpu.uarch or cpu.isa}: torch's own dispatch"))
+    if kernel == "rows8":
+        try:
+            rows8.require(cpu)
+            rows8.load()
+        except QuantbenchError as exc:  # auto never fails a run: ATen's GEMV, the next best, and why
+            return "aten", f"rows8 cannot run here ({exc}); ATen's GEMV instead"
+    return kernel, why
 
 
 def _matrices(model: Any) -> list[tuple[Any, int, int]]:
@@ -101,39 +115,41 @@ def stream_rate(model: Any, dtype: torch.dtype, device: str, gemv_aten: bool, re
     return out
 
 
-def rates(dtypes: tuple[torch.dtype, ...], gemv_aten: bool, n: int = 4096, mats: int = 8,
+def rates(dtypes: tuple[torch.dtype, ...], kernel: str, n: int = 4096, mats: int = 8,
           rounds: int = 3) -> dict[str, float]:
-    """GB/s of a one-row `F.linear` per dtype over `mats` n x n weights (beyond the caches), interleaved."""
+    """GB/s of a one-row matmul per dtype over `mats` n x n weights (beyond the caches), interleaved, through
+    `kernel` (measure.gemv's choice: rows8, aten, onednn)."""
+    mm = rows8.gemv16 if kernel == "rows8" else torch.nn.functional.linear
     ws = {dt: [torch.randn(n, n).to(dt) * 0.02 for _ in range(mats)] for dt in dtypes}
     xs = {dt: torch.randn(1, n).to(dt) for dt in dtypes}
     out: dict[str, list[float]] = {str(dt).replace("torch.", ""): [] for dt in dtypes}
-    with gemv_off_onednn(gemv_aten), torch.inference_mode():
+    with gemv_off_onednn(kernel == "aten"), torch.inference_mode():
         for r in range(rounds + 1):
             for dt in (dtypes if r % 2 else tuple(reversed(dtypes))):
                 t0 = time.perf_counter()
                 for w in ws[dt]:
-                    torch.nn.functional.linear(xs[dt], w)
+                    mm(xs[dt], w)
                 if r:  # round 0 warms up
                     out[str(dt).replace("torch.", "")].append(mats * n * n * 2 / (time.perf_counter() - t0) / GB)
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def sixteen_choice(device: str, gemv_aten: bool) -> tuple[str, str]:
+def sixteen_choice(device: str, kernel: str) -> tuple[str, str]:
     """(dtype, why): bf16 or fp16 for auto16 on `device`, from this host's measured one-row rates (cached)."""
     if not device.startswith("cpu"):
         return "bfloat16", f"{device}: bf16 (GPU GEMV streams both 16-bit formats alike; not measured here)"
     cpu = env.cpu_info()
     key = f"{cpu.vendor}-{cpu.family}-{cpu.model}-{cpu.isa}-{torch.__version__}-{torch.get_num_threads()}t-" \
-          f"{'aten' if gemv_aten else 'default'}".replace(" ", "_")
+          f"{kernel}".replace(" ", "_")
     path = cache_root() / "auto16" / f"{key}.json"
     try:
         measured = json.loads(path.read_text())
     except (OSError, ValueError):
-        measured = rates((torch.bfloat16, torch.float16), gemv_aten)
+        measured = rates((torch.bfloat16, torch.float16), kernel)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(measured))
     bf, fp = measured["bfloat16"], measured["float16"]
     pick = "float16" if fp >= FP16_MARGIN * bf else "bfloat16"
-    why = (f"one-row GEMV on this CPU ({cpu.uarch or cpu.isa}, {torch.get_num_threads()} threads, measured once "
+    why = (f"one-row {kernel} kernel on this CPU ({cpu.uarch or cpu.isa}, {torch.get_num_threads()} threads, measured once "
            f"per host): bf16 {bf:.1f} GB/s, fp16 {fp:.1f} GB/s; fp16 only when >= {FP16_MARGIN:.2f}x bf16")
     return pick, why

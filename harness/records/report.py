@@ -26,7 +26,7 @@ from harness.analysis.roofline import roofline_plot
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
 from harness.load import report as serving
-from harness.metrics import HEADLINE, METRICS, Metric, direction_mark, report_columns
+from harness.metrics import DIRECTION_MARK, HEADLINE, METRICS, Metric, report_columns
 from harness.metrics import value as _num  # a finite float or None
 from harness.records import sweeps
 from harness.records.results import sweep_baseline
@@ -71,9 +71,9 @@ def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
     cols = columns(rows)
     head = ["cell", "quantizer", "strategy", "batch"]
     for c in cols:
-        head.append(c.column.header + direction_mark(c.better))
+        head.append(c.column.header + DIRECTION_MARK.get(c.better, ""))
         if c.name == HEADLINE:
-            head.append(f"× {baseline}" + direction_mark(c.better))
+            head.append(f"× {baseline}" + DIRECTION_MARK.get(c.better, ""))
     head.append("status")
     lines = [f"# {title}", "",
              f"{len(rows)} cell(s): " + ", ".join(f"{n} {s}" for s, n in sorted(_counts(rows).items())) + ". "

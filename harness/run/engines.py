@@ -14,9 +14,10 @@ from typing import Any
 from harness import measure, third_party_output
 from harness.analysis import accuracy, roofline, task_accuracy
 from harness.config import Experiment
-from harness.measure import fast_path, kernels, memory, one_row, paths, workloads
+from harness.measure import fast_path, hugepages, kernels, memory, one_row, paths, workloads
 from harness.measure.workloads import encode_prompts  # noqa: F401 - re-exported (benchmarks, tests)
 from harness.run.hooks import Outcome, Record, Session
+from quantizers import rows8
 from strategies.decode import DepthContext
 
 __all__ = ["Outcome", "TransformersEngine", "TransformersSession", "encode_prompts"]
@@ -35,6 +36,7 @@ class TransformersEngine:
         exp.quantizer.preflight(device)
         exp.strategy.preflight()
         paths.settle(exp, device)  # measure.path / measure.gemv: the measured best path, or the one asked for
+        hugepages.preflight(exp.measure.hugepages, device)  # measure.hugepages=on where it cannot be: refused here
         fast_path.preflight(exp, device)  # compile=true with a non-compilable quantizer fails here, before loading
 
     def memory_estimate(self, exp: Experiment, device: str) -> Any:
@@ -85,6 +87,12 @@ class TransformersSession(Session):
         metrics.update(audit)
         metrics.update(getattr(exp.quantizer, "last_metrics", {}) or {})
         tags.update(getattr(exp.quantizer, "last_tags", {}) or {})
+        moved = hugepages.move(self.model, exp.measure.hugepages, self.device)  # before compile and timing
+        tags["weights.hugepages"] = moved.tag
+        if moved.share is not None:
+            metrics["weights_hugepage_share"] = moved.share
+        if getattr(getattr(exp, "decode_choice", None), "gemv", "") == "rows8":  # quantizers/rows8.py
+            tags["kernel.gemv_layers"] = str(rows8.install(self.model))
         return metrics, tags
 
     def prepare(self, opts: Any, workload: Any, batches: list, log_file: Path) -> Record:

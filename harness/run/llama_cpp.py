@@ -110,8 +110,8 @@ def _convert(src: Path, out: Path, fmt: str, threads: int, n_weights: int) -> Pa
 
 def sixteen_format(device: str) -> str:
     """engine.format=auto16: F16 or BF16, as quantizer=auto16 (with its default measure.gemv) picks on this CPU."""
-    aten = gemv_choice("auto", device, env.cpu_info())[0] == "aten"
-    return {"float16": "F16", "bfloat16": "BF16"}[sixteen_choice(device, aten)[0]]
+    kernel = gemv_choice("auto", device, env.cpu_info())[0]
+    return {"float16": "F16", "bfloat16": "BF16"}[sixteen_choice(device, kernel)[0]]
 
 
 @dataclass

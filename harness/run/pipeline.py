@@ -139,7 +139,7 @@ class Pipeline:
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                   stop_at_eos=m.stop_at_eos, inject_slowdown=m.inject_slowdown,
                                   inject_work=m.inject_work, cache=m.cache,
-                                  gemv_aten=getattr(getattr(exp, "decode_choice", None), "gemv", "") == "aten")
+                                  gemv_aten=getattr(getattr(exp, "decode_choice", None), "gemv", "") in ("aten", "rows8"))
         self.batches = exp.strategy.batches(wl.prompts)
         self._add(self.session.prepare(self.opts, wl, self.batches, self.log_file))
         self._decoding = True

@@ -1,0 +1,104 @@
+"""quantbench's one-row kernels, `measure.gemv=rows8`: a batch-1 decode step's bf16/fp16 and int8 matmuls on CPU.
+
+Why kernels of our own: a batch-1 decode step streams every weight once, and on a few cores the stream is
+limited by how many cache-line misses each core keeps in flight. ATen's GEMV and oneDNN read one weight row at
+a time; quantizers/rows8.cpp reads 8 rows side by side (8 streams per core, fp32 sums, AVX-512; bf16 through
+vdpbf16ps where the CPU has AVX512_BF16). llama.cpp's F16/BF16 matmuls stream at that rate, so without it the
+16-bit rows of the scaling table compared kernels, not formats (issue #30). Measured (AMD EPYC family 25 model
+17, Zen 4, 2 threads, 2026-12-05; every Llama-3.2-1B matrix once at one row on 2 MiB pages, 8 interleaved
+rounds, GB/s median): bf16 rows8 45.5 vs ATen 38.6, fp16 rows8 44.8 vs ATen 39.1, int8 rows8 24.3 vs
+`_weight_int8pack_mm` 21.7 (int8 is compute-bound: three ops per 16 weights to widen and multiply them).
+
+How it runs: `load()` builds quantizers/rows8.cpp once per torch version with torch's C++ extension builder
+(g++, ~10-25 s; `scripts/setup.sh` builds it ahead) into the cache (`$QUANTBENCH_CACHE/ext`), and loads it as
+the ops `torch.ops.quantbench.gemv16` and `.gemv8` (with fake kernels, so torch.compile keeps each as one
+opaque call). `install(model)` gives every plain 16-bit `nn.Linear` on CPU a forward that sends one-row inputs
+(a batch-1 decode step) to gemv16, and switches quantizers/int8pack.py's `Int8PackLinear` layers to gemv8 for
+one row; more rows (prefill, scoring, batches) keep the layer's own path, oneDNN's GEMM, ATen's int8 op or
+quantizers/dtype.py's fp32 upcast. Other quantized layers are left alone. It needs AVX-512 (`available`).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness import env  # env.cpu_info looked up per call: tests patch it
+from harness.cache import cache_root
+from harness.errors import QuantbenchError
+from quantizers.int8pack import Int8PackLinear
+
+SOURCE = Path(__file__).with_name("rows8.cpp")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c", "-mfma", "-fopenmp"]
+
+
+def available(cpu: Any) -> tuple[bool, str]:
+    """(usable?, why not) on `cpu` (harness.env.CpuInfo): the kernel is AVX-512 code."""
+    if "avx512f" not in cpu.flags or "avx512bw" not in cpu.flags:
+        return False, f"quantbench's rows8 kernel needs AVX-512 (this CPU: {cpu.isa})"
+    return True, ""
+
+
+def require(cpu: Any) -> None:
+    """One line, before any model loads, where `cpu` cannot run the kernel."""
+    ok, why = available(cpu)
+    if not ok:
+        raise QuantbenchError(f"measure.gemv=rows8 cannot run: {why}; use measure.gemv=auto or aten")
+
+
+@functools.cache
+def load() -> None:
+    """Build (first use) and load the op; one line on failure, before any model loads."""
+    from torch.utils.cpp_extension import load as build
+
+    where = cache_root() / "ext" / f"rows8-torch{torch.__version__}".replace("+", "_")
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        build("quantbench_rows8", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(where),
+              is_python_module=False, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - a compiler error is many lines; the run gets one
+        first = next((ln for ln in str(exc).splitlines() if "error" in ln.lower()), str(exc).splitlines()[0])
+        raise QuantbenchError(f"measure.gemv=rows8: building {SOURCE.name} failed ({first.strip()[:200]}); install "
+                              "g++ (scripts/setup.sh does) or use measure.gemv=aten") from exc
+    torch.library.register_fake("quantbench::gemv16")(lambda x, w, dp=True: x.new_empty(w.shape[0]))
+    torch.library.register_fake("quantbench::gemv8")(lambda x, q, scale: x.new_empty(q.shape[0]))
+
+
+def gemv16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One row `x` (K values) times `w` [N, K] (bf16/fp16): N values in x's dtype, accumulated in fp32."""
+    return torch.ops.quantbench.gemv16(x, w)
+
+
+def gemv8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One row `x` times int8 rows `q` [N, K], each times its `scale` [N]: N values in x's dtype (fp32 sums)."""
+    return torch.ops.quantbench.gemv8(x, q, scale)
+
+
+def _one_row_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() == x.shape[-1]:  # one row: a batch-1 decode step
+        y = torch.ops.quantbench.gemv16(x, self.weight).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+    return self.qb_wide_forward(x)
+
+
+def install(model: Any) -> int:
+    """One-row inputs of the model's plain 16-bit CPU linears go to the kernel; returns how many layers."""
+    require(env.cpu_info())
+    load()
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Int8PackLinear):  # int8 rows + scales (quantizer int8 on CPU): the int8 kernel
+            n += not m.one_row
+            m.one_row = True
+            continue
+        w = getattr(m, "weight", None)
+        if type(m) is torch.nn.Linear and type(w) in (torch.Tensor, torch.nn.Parameter) and w.device.type == "cpu" \
+                and w.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous() and "qb_wide_forward" not in vars(m):
+            m.qb_wide_forward = m.forward  # the class's forward, or quantizers/dtype.py's upcast for many rows
+            m.forward = types.MethodType(_one_row_forward, m)
+            n += 1
+    return n

@@ -1,0 +1,99 @@
+"""quantbench's one-row 16-bit kernel (measure.gemv=rows8, quantizers/rows8.py).
+
+Its numerics are checked against an fp32 matmul on shapes that are not multiples of its 8-row blocks or its
+32-value steps; `install` must send one-row inputs (batch-1 decode) to it and leave every wider input on the
+layer's own path, bit for bit; a run records the kernel it took. The kernel is AVX-512 code: on a CPU without
+AVX-512 the same tests check the one-line refusal instead. Which kernel is faster is benchmarks/cpu_kernels.py's
+business (--one-row), never a test's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_paths import ZEN3, ZEN4
+
+from harness import env
+from harness.config import build, compose
+from harness.errors import QuantbenchError
+from harness.measure import paths
+from harness.run import runner
+from quantizers import rows8
+
+HERE = rows8.available(env.cpu_info())[0]
+
+
+def _refused_here() -> None:
+    """On a CPU without AVX-512: the kernel refuses in one line, at preflight and at install."""
+    with pytest.raises(QuantbenchError, match=r"^measure.gemv=rows8 cannot run: .* needs AVX-512"):
+        paths.settle(build(compose(["model=tiny_random", "measure.gemv=rows8"])), "cpu")
+    with pytest.raises(QuantbenchError, match=r"needs AVX-512"):
+        rows8.install(torch.nn.Linear(4, 4).to(torch.bfloat16))
+
+
+def test_rows8_needs_avx512_and_is_refused_in_one_line_without_it(monkeypatch):
+    assert rows8.available(ZEN4) == (True, "")
+    ok, why = rows8.available(ZEN3)
+    assert not ok and why == "quantbench's rows8 kernel needs AVX-512 (this CPU: avx2)"
+    monkeypatch.setattr(env, "cpu_info", lambda: ZEN3)
+    _refused_here()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_matches_an_fp32_matmul_on_ragged_shapes(dtype):
+    if not HERE:  # this CPU cannot run it: asking for it is refused in one line before loading
+        return _refused_here()
+    torch.manual_seed(0)
+    for n, k in ((13, 70), (8, 32), (2051, 2085), (1, 5)):
+        w, x = torch.randn(n, k, dtype=dtype), torch.randn(1, 1, k, dtype=dtype)
+        ref = (x.float() @ w.float().t()).view(-1)
+        y = rows8.gemv16(x, w)
+        assert y.dtype == dtype and y.shape == (n,)
+        tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10  # one rounding of the output
+        assert torch.allclose(y.float(), ref, rtol=2 * tol, atol=2 * tol * ref.abs().max().item()), (n, k)
+
+
+def test_install_sends_one_row_to_the_kernel_and_keeps_wider_inputs_on_the_layer():
+    if not HERE:
+        return _refused_here()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.inference_mode():
+        wide, one = model(ids).logits, model(ids[:, :1]).logits
+        assert rows8.install(model) == 2 * 7 + 1  # q k v o gate up down per layer + the head
+        assert rows8.install(model) == 0  # installed once
+        with torch.profiler.profile() as prof:
+            one_after = model(ids[:, :1]).logits
+        assert torch.equal(model(ids).logits, wide)  # 5 rows: the layer's own forward, unchanged
+    names = {e.key for e in prof.key_averages()}
+    assert "quantbench::gemv16" in names
+    assert torch.allclose(one_after.float(), one.float(), atol=0.05, rtol=0.05)
+
+
+def test_a_failed_build_is_one_line(monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    def broken(*a, **k):
+        raise RuntimeError("Error building extension 'quantbench_rows8'\nx.cpp:1:1: error: no compiler\nmore")
+
+    monkeypatch.setattr(ext, "load", broken)
+    with pytest.raises(QuantbenchError, match=r"^measure.gemv=rows8: building rows8.cpp failed \(Error building "
+                                              r"extension 'quantbench_rows8'\); install g\+\+"):
+        rows8.load.__wrapped__()
+
+
+def test_a_run_records_the_kernel_it_took(results_overrides):
+    exp = build(compose(["model=tiny_random", "quantizer=bf16", "measure.gemv=rows8", "measure.max_new_tokens=4",
+                         "measure.repetitions=1", "measure.warmup=0", "accuracy.enabled=false", *results_overrides]))
+    if not HERE:
+        return _refused_here()
+    result = runner.execute(exp)
+    assert result.status == "OK", result.error
+    t = result.tags
+    assert t["kernel.gemv"] == "rows8" and int(t["kernel.gemv_layers"]) > 0
+    assert t["kernel.linear"] == "quantbench::gemv16"  # profiled in the decode steps, not assumed
