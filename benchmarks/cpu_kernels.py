@@ -132,6 +132,7 @@ def one_row_table(threads: int, small: bool = False) -> int:
         rows8.load()
         cands["bf16 rows8 (measure.gemv=rows8)"] = (lambda: [rows8.gemv16(x, w) for w in bf], 2.0)
         cands["fp16 rows8"] = (lambda: [rows8.gemv16(xh, w) for w in half], 2.0)
+        cands["int8 rows8 (Int8PackLinear, one row)"] = (lambda: [rows8.gemv8(x, w, i8s) for w in i8], 1.0)
     if importlib.util.find_spec("zentorch") is not None:
         import zentorch  # noqa: F401 - registers torch.ops.zentorch
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from harness.cache import cache_root
 from harness.errors import ConfigError, one_of
 from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
@@ -50,4 +51,18 @@ class Quanto(TimedLoad, Quantizer):
     def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
         from transformers import QuantoConfig
 
+        cache_extension()
         return {"quantization_config": QuantoConfig(weights=self.weights)}
+
+
+def cache_extension() -> None:
+    """quanto builds its C++ unpack kernel on first use inside its own package folder, so every fresh venv (each
+    CI run) compiled it again (~35 s on 2 cores). Its build goes to the cache instead, keyed by quanto's and
+    torch's versions (torch's builder still rebuilds when a source changes); scripts/setup.sh --all builds it."""
+    import optimum.quanto
+    import torch
+    from optimum.quanto.library.extensions.cpp import ext
+
+    where = cache_root() / "ext" / f"quanto-{optimum.quanto.__version__}-torch{torch.__version__}".replace("+", "_")
+    where.mkdir(parents=True, exist_ok=True)
+    ext.build_directory = str(where)

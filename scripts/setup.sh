@@ -101,6 +101,9 @@ if [ "$ALL" = 1 ]; then
   fi
   # selenium 4.52 needs a newer certifi than constraints.txt pins; 4.51.0 works with it
   "$VENV/bin/python" -c "import selenium" 2>/dev/null || $PIP install -q -c constraints.txt selenium==4.51.0
+  # optimum-quanto's C++ unpack kernel (quanto_int4 on CPU), built into the cache once (~35 s), not in a test
+  "$VENV/bin/python" -c "from quantizers.quanto import cache_extension; cache_extension()
+from optimum.quanto.library.extensions.cpp import ext; ext.lib" 2>/dev/null || echo "setup: quanto's kernel did not build; quanto_int4 builds it on first use"
   # QB_SETUP_EXTRAS
 fi
 fetch_tasks

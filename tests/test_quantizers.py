@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import FAST, SHARED_DATA
 
+from harness.cache import cache_root
 from harness.errors import ConfigError, QuantbenchError
 
 INT8, INT4, INT4_IN_INT8 = (8.0, 8.6), (4.0, 4.8), (8.0, 9.5)
@@ -140,6 +141,10 @@ def test_quanto_int4_needs_no_grad_and_the_loop_honours_it(compose):
         model(input_ids=x)
     assert model.quantbench_grad_mode == "no_grad"
     assert _logp(model, x).shape == (3, 259)  # through measure.model_grad_mode: no_grad
+    from optimum.quanto.library.extensions.cpp import ext
+
+    # quanto's C++ kernel was built (or found) in the cache, not in the venv's package folder (rebuilt per venv)
+    assert ext.build_directory.startswith(str(cache_root() / "ext" / "quanto-")) and ext._lib is not None
 
 
 def test_audit_refuses_a_silent_noop(compose):

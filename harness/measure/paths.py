@@ -6,16 +6,19 @@ put each on its fastest path and say which one ran. Two choices make up that pat
 - `measure.path`: `eager`; `compiled` (torch.compile of the decode step, static cache); `freezing`
   (compiled with inductor freezing: weights become constants, prepacked where oneDNN takes them, a tensor
   subclass unwrapped once); `best` (default) reads `PATHS` below, measured per CPU line, format and size.
-- `measure.gemv`: which kernel a one-row 16-bit matmul (batch-1 decode) reaches on CPU. `aten` runs the
-  decode step with oneDNN switched off, so ATen's own GEMV (fp32 accumulation, AVX-512) streams the weights;
-  `onednn` leaves torch's dispatch alone; `auto` reads `GEMV`. Only the batch-1 decode steps of the shared
-  loop (strategies/decode.py) are affected: prefill, scoring and batches keep oneDNN, which is faster there.
+- `measure.gemv`: which kernel a one-row matmul (batch-1 decode) reaches on CPU. `rows8` sends the 16-bit
+  linears and int8 `Int8PackLinear` layers to quantbench's own kernels (quantizers/rows8.py: 8 weight rows
+  streamed side by side per core, AVX-512); `aten` runs the decode step with oneDNN switched off, so ATen's own
+  GEMV (fp32 accumulation) streams the weights; `onednn` leaves torch's dispatch alone; `auto` reads
+  one_row.GEMV (rows8 on Zen 4/Zen 5; where it cannot build, aten, and the tag says why). Only batch-1 decode
+  steps are affected: prefill, scoring and batches keep oneDNN, which is faster there.
 
-Why `aten` (AMD EPYC family 25 model 17, Zen 4, AVX-512 + native bf16, torch 2.13, 2 threads; interleaved,
+Why (AMD EPYC family 25 model 17, Zen 4, AVX-512 + native bf16, torch 2.13, 2 threads; interleaved,
 `benchmarks/cpu_kernels.py --one-row`): one 14336 x 4096 bf16 weight at one row streams 19 GB/s through
 oneDNN and 31 GB/s through ATen's GEMV (fp16 through ATen 33, zentorch 2.13.0.2 31-32); on 1 thread 11 vs
 22. A Llama-3.2-1B decode step (eager, bf16) went from 165.6 to 75.9 ms with it. oneDNN takes bf16
-matmuls only where bf16 is native, so on AVX2 CPUs (Zen 3) both settings run the same ATen kernel.
+matmuls only where bf16 is native, so on AVX2 CPUs (Zen 3) both settings run the same ATen kernel. rows8
+streams ~1.15x ATen's GEMV (quantizers/rows8.py has the numbers).
 
 Refusals and fallbacks (`settle`, before anything loads): `best` takes its row's path, or the next one
 down (freezing -> compiled -> eager) when the path cannot run: the quantizer cannot compile, freezing's
