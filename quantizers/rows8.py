@@ -21,6 +21,7 @@ quantizers/dtype.py's fp32 upcast. Other quantized layers are left alone. It nee
 from __future__ import annotations
 
 import functools
+import hashlib
 import types
 from pathlib import Path
 from typing import Any
@@ -52,29 +53,40 @@ def require(cpu: Any) -> None:
 
 @functools.cache
 def load() -> None:
-    """Build (first use) and load the op; one line on failure, before any model loads."""
-    from torch.utils.cpp_extension import load as build
+    """Build (first use) and load the ops; one line on failure, before any model loads.
 
-    where = cache_root() / "ext" / f"rows8-torch{torch.__version__}".replace("+", "_")
-    where.mkdir(parents=True, exist_ok=True)
-    try:
-        build("quantbench_rows8", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(where),
-              is_python_module=False, verbose=False)
-    except Exception as exc:  # noqa: BLE001 - a compiler error is many lines; the run gets one
-        first = next((ln for ln in str(exc).splitlines() if "error" in ln.lower()), str(exc).splitlines()[0])
-        raise QuantbenchError(f"measure.gemv=rows8: building {SOURCE.name} failed ({first.strip()[:200]}); install "
-                              "g++ (scripts/setup.sh does) or use measure.gemv=aten") from exc
+    The build folder is named by a hash of the source, the flags and torch's version, so a built library is
+    loaded directly (milliseconds); torch's builder (which imports setuptools and runs ninja, seconds on 2 cores)
+    only runs when that library is missing."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()
+    where = cache_root() / "ext" / f"rows8-{key[:16]}"
+    lib = where / "quantbench_rows8.so"
+    if not lib.is_file():
+        from torch.utils.cpp_extension import load as build
+
+        where.mkdir(parents=True, exist_ok=True)
+        try:
+            build("quantbench_rows8", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(where),
+                  is_python_module=False, verbose=False)
+        except Exception as exc:  # noqa: BLE001 - a compiler error is many lines; the run gets one
+            first = next((ln for ln in str(exc).splitlines() if "error" in ln.lower()), str(exc).splitlines()[0])
+            raise QuantbenchError(f"measure.gemv=rows8: building {SOURCE.name} failed ({first.strip()[:200]}); "
+                                  "install g++ (scripts/setup.sh does) or use measure.gemv=aten") from exc
+    else:
+        torch.ops.load_library(str(lib))
     torch.library.register_fake("quantbench::gemv16")(lambda x, w, dp=True: x.new_empty(w.shape[0]))
     torch.library.register_fake("quantbench::gemv8")(lambda x, q, scale: x.new_empty(q.shape[0]))
 
 
 def gemv16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """One row `x` (K values) times `w` [N, K] (bf16/fp16): N values in x's dtype, accumulated in fp32."""
+    load()
     return torch.ops.quantbench.gemv16(x, w)
 
 
 def gemv8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """One row `x` times int8 rows `q` [N, K], each times its `scale` [N]: N values in x's dtype (fp32 sums)."""
+    load()
     return torch.ops.quantbench.gemv8(x, q, scale)
 
 

@@ -75,13 +75,14 @@ def test_install_sends_one_row_to_the_kernel_and_keeps_wider_inputs_on_the_layer
     assert torch.allclose(one_after.float(), one.float(), atol=0.05, rtol=0.05)
 
 
-def test_a_failed_build_is_one_line(monkeypatch):
+def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
     import torch.utils.cpp_extension as ext
 
     def broken(*a, **k):
         raise RuntimeError("Error building extension 'quantbench_rows8'\nx.cpp:1:1: error: no compiler\nmore")
 
     monkeypatch.setattr(ext, "load", broken)
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))  # nothing built there: the builder runs (and fails)
     with pytest.raises(QuantbenchError, match=r"^measure.gemv=rows8: building rows8.cpp failed \(Error building "
                                               r"extension 'quantbench_rows8'\); install g\+\+"):
         rows8.load.__wrapped__()
