@@ -67,7 +67,7 @@ class MeasureConfig(Validated):
     cv_warn: float = 0.10  # warn when tokens/s coefficient of variation exceeds this
     path: str = "best"  # decode path: best (measured table, harness/measure/paths.py) | eager | compiled | freezing
     gemv: str = "auto"  # one-row 16-bit matmuls on CPU: auto (measured table) | onednn | aten
-    hugepages: str = "auto"  # the weights on 2 MiB pages: auto (on where a Linux CPU run can) | on | off
+    hugepages: str = "off"  # the weights on 2 MiB pages: off | auto (on where a Linux CPU run can) | on
     cache: str = "dynamic"  # KV cache kind: dynamic | static
     compile: bool = False  # torch.compile the decode step
     compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs on CUDA) | max-autotune[-no-cudagraphs]

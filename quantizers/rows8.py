@@ -20,6 +20,7 @@ quantizers/dtype.py's fp32 upcast. Other quantized layers are left alone. It nee
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import types
@@ -53,29 +54,43 @@ def require(cpu: Any) -> None:
 
 @functools.cache
 def load() -> None:
-    """Build (first use) and load the ops; one line on failure, before any model loads.
+    """Build (first use) and load the ops; one line on failure, before any model loads."""
+    torch.ops.load_library(str(library()))
+    torch.library.register_fake("quantbench::gemv16")(lambda x, w, dp=True: x.new_empty(w.shape[0]))
+    torch.library.register_fake("quantbench::gemv8")(lambda x, q, scale: x.new_empty(q.shape[0]))
 
-    The build folder is named by a hash of the source, the flags and torch's version, so a built library is
-    loaded directly (milliseconds); torch's builder (which imports setuptools and runs ninja, seconds on 2 cores)
-    only runs when that library is missing."""
+
+def library() -> Path:
+    """The built kernel library, built here first if missing.
+
+    Its folder is named by a hash of the source, the flags and torch's version, so a built library is loaded
+    directly (milliseconds); torch's builder (it imports setuptools and runs ninja: seconds on 2 cores) only runs
+    when the library is missing."""
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()
     where = cache_root() / "ext" / f"rows8-{key[:16]}"
     lib = where / "quantbench_rows8.so"
     if not lib.is_file():
-        from torch.utils.cpp_extension import load as build
-
         where.mkdir(parents=True, exist_ok=True)
-        try:
-            build("quantbench_rows8", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(where),
-                  is_python_module=False, verbose=False)
-        except Exception as exc:  # noqa: BLE001 - a compiler error is many lines; the run gets one
-            first = next((ln for ln in str(exc).splitlines() if "error" in ln.lower()), str(exc).splitlines()[0])
-            raise QuantbenchError(f"measure.gemv=rows8: building {SOURCE.name} failed ({first.strip()[:200]}); "
-                                  "install g++ (scripts/setup.sh does) or use measure.gemv=aten") from exc
-    else:
-        torch.ops.load_library(str(lib))
-    torch.library.register_fake("quantbench::gemv16")(lambda x, w, dp=True: x.new_empty(w.shape[0]))
-    torch.library.register_fake("quantbench::gemv8")(lambda x, q, scale: x.new_empty(q.shape[0]))
+        # our own lock, which the kernel drops if this process dies: torch's builder keeps a `lock` file while it
+        # builds, and one left by a killed build makes every later build wait for it forever
+        with open(where / ".build.lock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            if not lib.is_file():
+                (where / "lock").unlink(missing_ok=True)  # stale: no other quantbench build holds the flock
+                _build(where)
+    return lib
+
+
+def _build(where: Path) -> None:
+    from torch.utils.cpp_extension import load as build
+
+    try:
+        build("quantbench_rows8", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(where),
+              is_python_module=False, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - a compiler error is many lines; the run gets one
+        first = next((ln for ln in str(exc).splitlines() if "error" in ln.lower()), str(exc).splitlines()[0])
+        raise QuantbenchError(f"measure.gemv=rows8: building {SOURCE.name} failed ({first.strip()[:200]}); "
+                              "install g++ (scripts/setup.sh does) or use measure.gemv=aten") from exc
 
 
 def gemv16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -98,3 +98,20 @@ def test_a_run_records_the_kernel_it_took(results_overrides):
     t = result.tags
     assert t["kernel.gemv"] == "rows8" and int(t["kernel.gemv_layers"]) > 0
     assert t["kernel.linear"] == "quantbench::gemv16"  # profiled in the decode steps, not assumed
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    seen = {}
+
+    def fake_build(where):
+        seen["stale lock still there"] = (where / "lock").exists()
+        (where / "quantbench_rows8.so").write_bytes(b"built")
+
+    monkeypatch.setattr(rows8, "_build", fake_build)
+    first = rows8.library()  # built into the cache, in the folder named by the source's hash
+    assert tmp_path / "ext" in first.parents
+    first.unlink()
+    (first.parent / "lock").write_text("")  # a killed build left torch's `lock` file there
+    lib = rows8.library()  # builds again instead of waiting for that lock forever
+    assert lib == first and lib.read_bytes() == b"built" and seen == {"stale lock still there": False}
