@@ -163,7 +163,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.0, help="gate --budget in seconds (default: the gate's)")
     ap.add_argument("--out", default="", help="append one JSON line per gate run here")
     ap.add_argument("--report", default="", help="print the table of a --out file and exit")
-    ap.add_argument("--smoke", action="store_true", help="one A/A and one slow20 run with a 2 s budget (seconds)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one run of the first scenario of --only (default aa) with a 2 s budget (seconds)")
     args = ap.parse_args()
     if args.report and not args.smoke:
         return report(Path(args.report))
@@ -173,7 +174,7 @@ def main() -> int:
         print(f"error: unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
     if args.smoke:
-        names, args.runs, args.budget = ["aa", "slow20"], 1, 2.0
+        names, args.runs, args.budget = names[:1] or ["aa"], 1, 2.0
     out = Path(args.out) if args.out else Path("/tmp") / f"qb-gate-calibration-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
 

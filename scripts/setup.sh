@@ -48,7 +48,10 @@ fi
 
 # quantbench's one-row 16-bit kernel (measure.gemv=rows8, quantizers/rows8.py), built once per torch version into
 # the cache (~10-25 s) so that no run or test pays for it; nothing to build on a CPU without AVX-512
-"$VENV/bin/python" -c "from harness import env; from quantizers import rows8
+# (a Python start only when the cache holds no build: a changed source is rebuilt by its first run, under a lock)
+QB_EXT="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}/ext"
+ls "$QB_EXT"/rows8-*/quantbench_rows8.so >/dev/null 2>&1 || "$VENV/bin/python" -c "from harness import env
+from quantizers import rows8
 if rows8.available(env.cpu_info())[0]: rows8.load()"
 
 if [ "$ALL" = 1 ]; then
@@ -102,7 +105,8 @@ if [ "$ALL" = 1 ]; then
   # selenium 4.52 needs a newer certifi than constraints.txt pins; 4.51.0 works with it
   "$VENV/bin/python" -c "import selenium" 2>/dev/null || $PIP install -q -c constraints.txt selenium==4.51.0
   # optimum-quanto's C++ unpack kernel (quanto_int4 on CPU), built into the cache once (~35 s), not in a test
-  "$VENV/bin/python" -c "from quantizers.quanto import cache_extension; cache_extension()
+  ls "$QB_EXT"/quanto-*/quanto_cpp.so >/dev/null 2>&1 || "$VENV/bin/python" -c "from quantizers.quanto import cache_extension
+cache_extension()
 from optimum.quanto.library.extensions.cpp import ext; ext.lib" 2>/dev/null || echo "setup: quanto's kernel did not build; quanto_int4 builds it on first use"
   # QB_SETUP_EXTRAS
 fi
