@@ -111,8 +111,8 @@ def one_row_table(threads: int, small: bool = False) -> int:
     x, xh = torch.randn(1, k, dtype=torch.bfloat16), torch.randn(1, k, dtype=torch.float16)
     i8 = [torch.randint(-127, 127, (n, k), dtype=torch.int8) for _ in range(mats)]
     i8s = torch.rand(n, dtype=torch.bfloat16)
-    i4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 8)
-          for _ in range(mats)]
+    q4 = [torch.randint(0, 16, (n, k), dtype=torch.int32) for _ in range(mats)]
+    i4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8) for q in q4]
     i4s = torch.rand(k // 64, n, 2, dtype=torch.bfloat16)
 
     def aten(ws: list, inp: torch.Tensor) -> None:
@@ -133,6 +133,16 @@ def one_row_table(threads: int, small: bool = False) -> int:
         cands["bf16 rows8 (measure.gemv=rows8)"] = (lambda: [rows8.gemv16(x, w) for w in bf], 2.0)
         cands["fp16 rows8"] = (lambda: [rows8.gemv16(xh, w) for w in half], 2.0)
         cands["int8 rows8 (Int8PackLinear, one row)"] = (lambda: [rows8.gemv8(x, w, i8s) for w in i8], 1.0)
+    if rows8.available(cpu_info())[0] and "avx512_vnni" in cpu_info().flags:  # integer dot products (vnni.py)
+        from quantizers import vnni
+
+        t8 = [vnni.relayout8(w) for w in i8]
+        cands["int8 gemv8t (Int8RowsLinear, VNNI)"] = (
+            lambda: [torch.ops.quantbench.gemv8t(x, w, i8s) for w in t8], 1.0)
+        t4 = [vnni.relayout(q.to(torch.uint8), i4s[..., 0], i4s[..., 1], 64) for q in q4]
+        cands["int4 gemv4 (g64, Int4RowsLinear, VNNI)"] = (
+            lambda: [torch.ops.quantbench.gemv4(x, w, 64) for w in t4], 0.5 + 4 / 64)
+    del q4
     if importlib.util.find_spec("zentorch") is not None:
         import zentorch  # noqa: F401 - registers torch.ops.zentorch
 

@@ -8,14 +8,19 @@ vdpbf16ps where the CPU has AVX512_BF16). llama.cpp's F16/BF16 matmuls stream at
 17, Zen 4, 2 threads, 2026-12-05; every Llama-3.2-1B matrix once at one row on 2 MiB pages, 8 interleaved
 rounds, GB/s median): bf16 rows8 45.5 vs ATen 38.6, fp16 rows8 44.8 vs ATen 39.1, int8 rows8 24.3 vs
 `_weight_int8pack_mm` 21.7 (int8 is compute-bound: three ops per 16 weights to widen and multiply them).
+int4 and int8 go through integer dot products instead where the CPU has AVX512_VNNI (`gemv4`, `gemv8t`;
+quantizers/vnni.py says how the numerics stay within bf16 rounding): on the same host on a day its plain memory
+stream read ~34 GB/s, int4 28.0 GB/s vs torchao's kernel 21.3, int8 31.1 vs gemv8 22.9 (docs/fast_path.md).
 
 How it runs: `load()` builds quantizers/rows8.cpp once per torch version with torch's C++ extension builder
 (g++, ~10-25 s; `scripts/setup.sh` builds it ahead) into the cache (`$QUANTBENCH_CACHE/ext`), and loads it as
-the ops `torch.ops.quantbench.gemv16` and `.gemv8` (with fake kernels, so torch.compile keeps each as one
-opaque call). `install(model)` gives every plain 16-bit `nn.Linear` on CPU a forward that sends one-row inputs
+the ops `torch.ops.quantbench.gemv16`, `.gemv8`, `.gemv4` and `.gemv8t` (with fake kernels, so torch.compile
+keeps each as one opaque call). `install(model)` gives every plain 16-bit `nn.Linear` on CPU a forward that sends one-row inputs
 (a batch-1 decode step) to gemv16, and switches quantizers/int8pack.py's `Int8PackLinear` layers to gemv8 for
 one row; more rows (prefill, scoring, batches) keep the layer's own path, oneDNN's GEMM, ATen's int8 op or
-quantizers/dtype.py's fp32 upcast. Other quantized layers are left alone. It needs AVX-512 (`available`).
+quantizers/dtype.py's fp32 upcast. With AVX512_VNNI, torchao's int4 linears become `Int4RowsLinear` and the
+int8 ones `Int8RowsLinear` (gemv4 / gemv8t for every input width; quantizers/vnni.py). Other quantized layers
+are left alone. It needs AVX-512 (`available`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.cache import cache_root
 from harness.errors import QuantbenchError
 from quantizers.int8pack import Int8PackLinear
+from quantizers.vnni import to_int4rows, to_int8rows
 
 SOURCE = Path(__file__).with_name("rows8.cpp")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c", "-mfma", "-fopenmp"]
@@ -58,6 +64,8 @@ def load() -> None:
     torch.ops.load_library(str(library()))
     torch.library.register_fake("quantbench::gemv16")(lambda x, w, dp=True: x.new_empty(w.shape[0]))
     torch.library.register_fake("quantbench::gemv8")(lambda x, q, scale: x.new_empty(q.shape[0]))
+    torch.library.register_fake("quantbench::gemv4")(lambda x, w, gs: x.new_empty(*x.shape[:-1], w.shape[0] * 16))
+    torch.library.register_fake("quantbench::gemv8t")(lambda x, w, s: x.new_empty(*x.shape[:-1], w.shape[0] * 16))
 
 
 def library() -> Path:
@@ -88,7 +96,8 @@ def _build(where: Path) -> None:
         build("quantbench_rows8", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(where),
               is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - a compiler error is many lines; the run gets one
-        first = next((ln for ln in str(exc).splitlines() if "error" in ln.lower()), str(exc).splitlines()[0])
+        lines = str(exc).splitlines()  # the compiler's first `error:` line, else the builder's own first line
+        first = next((ln for ln in lines if "error:" in ln), next((ln for ln in lines if "error" in ln.lower()), lines[0]))
         raise QuantbenchError(f"measure.gemv=rows8: building {SOURCE.name} failed ({first.strip()[:200]}); "
                               "install g++ (scripts/setup.sh does) or use measure.gemv=aten") from exc
 
@@ -113,10 +122,12 @@ def _one_row_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def install(model: Any) -> int:
-    """One-row inputs of the model's plain 16-bit CPU linears go to the kernel; returns how many layers."""
-    require(env.cpu_info())
+    """One-row inputs of the model's plain 16-bit CPU linears and int8 layers go to the kernels, and torchao's
+    int4 layers become Int4RowsLinear (every input, where the CPU has AVX512_VNNI); returns how many layers."""
+    cpu = env.cpu_info()
+    require(cpu)
     load()
-    n = 0
+    n = to_int4rows(model) + to_int8rows(model) if "avx512_vnni" in cpu.flags else 0
     for m in model.modules():
         if isinstance(m, Int8PackLinear):  # int8 rows + scales (quantizer int8 on CPU): the int8 kernel
             n += not m.one_row

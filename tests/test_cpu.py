@@ -221,8 +221,8 @@ def test_compiled_int4_reaches_the_packed_kernel_with_guards_skipped(compose, re
     from harness.run import runner
 
     r = runner.run(compose(FAST + ["quantizer=int4", "measure.cache=static", "measure.compile=true",
-                                   "measure.compile_skip_guards=true", "measure.repetitions=1",
-                                   "accuracy.enabled=false"] + results_overrides))
+                                   "measure.compile_skip_guards=true", "measure.repetitions=1", "measure.gemv=aten",
+                                   "accuracy.enabled=false"] + results_overrides))  # gemv=aten: torchao's kernel
     assert r.status == "OK", r.error
     assert r.tags["fast_path"] == "compiled" and r.tags["quantizer.resolved"] == "torchao_int4"
     assert r.tags["kernel.linear"] == "aten::_weight_int4pack_mm_for_cpu", r.tags

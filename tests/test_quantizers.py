@@ -111,7 +111,8 @@ def test_resolvers_record_the_backend(compose):
 def test_full_run_logs_audit_and_backend(compose, results_overrides):
     from harness.run.runner import run
 
-    r = run(compose(FAST + ["quantizer=int4", "measure.repetitions=1"] + results_overrides))
+    # torchao's own int4 kernel (measure.gemv=aten); rows8 swaps the layers (tests/test_rows8.py)
+    r = run(compose(FAST + ["quantizer=int4", "measure.repetitions=1", "measure.gemv=aten"] + results_overrides))
     assert r.status == "OK", r.error
     assert r.tags["quantizer.backend"] == "torchao.int4_packed" and r.tags["quantizer.resolved"] == "torchao_int4"
     assert r.tags["quantizer.resolved_by"] == "device table row cpu" and r.tags["quantizer.version.torchao"]

@@ -83,21 +83,24 @@ def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
 
     monkeypatch.setattr(ext, "load", broken)
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))  # nothing built there: the builder runs (and fails)
-    with pytest.raises(QuantbenchError, match=r"^measure.gemv=rows8: building rows8.cpp failed \(Error building "
-                                              r"extension 'quantbench_rows8'\); install g\+\+"):
+    with pytest.raises(QuantbenchError, match=r"^measure.gemv=rows8: building rows8.cpp failed \(x.cpp:1:1: error: "
+                                              r"no compiler\); install g\+\+"):  # the compiler's line
         rows8.load.__wrapped__()
 
 
-def test_a_run_records_the_kernel_it_took(results_overrides):
-    exp = build(compose(["model=tiny_random", "quantizer=bf16", "measure.gemv=rows8", "measure.max_new_tokens=4",
+@pytest.mark.parametrize("quantizer,kernel", [("bf16", "quantbench::gemv16"), ("int4", "quantbench::gemv4")])
+def test_a_run_records_the_kernel_it_took(results_overrides, quantizer, kernel):
+    exp = build(compose(["model=tiny_random", f"quantizer={quantizer}", "measure.gemv=rows8", "measure.max_new_tokens=4",
                          "measure.repetitions=1", "measure.warmup=0", "accuracy.enabled=false", *results_overrides]))
     if not HERE:
         return _refused_here()
+    if quantizer == "int4" and "avx512_vnni" not in env.cpu_info().flags:
+        kernel = "aten::_weight_int4pack_mm_for_cpu"  # AVX-512 without VNNI: torchao's int4 layers stay
     result = runner.execute(exp)
     assert result.status == "OK", result.error
     t = result.tags
     assert t["kernel.gemv"] == "rows8" and int(t["kernel.gemv_layers"]) > 0
-    assert t["kernel.linear"] == "quantbench::gemv16"  # profiled in the decode steps, not assumed
+    assert t["kernel.linear"] == kernel  # profiled in the decode steps, not assumed
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(monkeypatch, tmp_path):
@@ -115,3 +118,75 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(monkeypatch,
     (first.parent / "lock").write_text("")  # a killed build left torch's `lock` file there
     lib = rows8.library()  # builds again instead of waiting for that lock forever
     assert lib == first and lib.read_bytes() == b"built" and seen == {"stale lock still there": False}
+
+
+def _int4_linear(n: int, k: int, gs: int) -> torch.nn.Sequential:
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization import quantize_
+
+    lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+    torch.nn.init.normal_(lin.weight, std=0.02)
+    seq = torch.nn.Sequential(lin)
+    quantize_(seq, PrototypeInt4WeightOnlyConfig(group_size=gs))
+    return seq
+
+
+def test_int4_layers_keep_torchaos_values_and_match_its_kernel_at_every_width():
+    from quantizers import vnni
+
+    if not HERE:
+        return _refused_here()
+    if "avx512_vnni" not in env.cpu_info().flags:  # AVX-512 without VNNI: install leaves torchao's int4 alone
+        seq = _int4_linear(64, 64, 32)
+        rows8.install(seq)
+        assert type(seq[0]) is torch.nn.Linear
+        return
+    torch.manual_seed(0)
+    for n, k, gs in ((128, 256, 32), (192, 512, 64), (64, 384, 128)):
+        seq = _int4_linear(n, k, gs)
+        w = seq[0].weight
+        q, scale, zero, g = vnni.unpack(w)
+        assert g == gs and q.shape == (n, k) and int(q.max()) <= 15
+        # the unpacking is exact: packing the values again gives torchao's bytes
+        assert torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1).view(torch.uint8),
+                           w.qdata.view(torch.uint8))
+        deq = (q.float() - 8) * scale.float().t().repeat_interleave(gs, 1) + zero.float().t().repeat_interleave(gs, 1)
+        xs = [torch.randn(1, 1, k, dtype=torch.bfloat16), torch.randn(2, 7, k, dtype=torch.bfloat16)]  # decode, prompt
+        with torch.inference_mode():
+            theirs = [seq(x) for x in xs]
+            assert rows8.install(seq) == 1 and isinstance(seq[0], vnni.Int4RowsLinear)
+            ours = [seq(x) for x in xs]
+        for x, a, b in zip(xs, theirs, ours, strict=True):
+            ref = x.double() @ deq.double().t()
+            assert b.shape == a.shape and b.dtype == torch.bfloat16
+            err, bf16_err = (b.double() - ref).abs().max(), (a.double() - ref).abs().max()
+            # no worse than torchao's own kernel, whose error is the bf16 rounding of its output
+            assert err <= 1.01 * bf16_err + 1e-6, (n, k, gs, float(err), float(bf16_err))
+            # before that rounding, the 15-bit x of the integer kernel: ~2e-5 of the largest output
+            exact = torch.ops.quantbench.gemv4(x.float(), seq[0].packed, gs).double()
+            assert (exact - ref).abs().max() <= 1e-4 * ref.abs().max(), (n, k, gs)
+
+
+def test_int8_layers_keep_their_values_and_match_at_every_width():
+    from quantizers import vnni
+    from quantizers.int8pack import Int8PackLinear
+
+    if not HERE or "avx512_vnni" not in env.cpu_info().flags:  # the int8 rows stay on gemv8 / ATen's op there
+        return
+    torch.manual_seed(0)
+    odd = torch.nn.Sequential(Int8PackLinear(torch.ones(64, 80, dtype=torch.int8), torch.ones(64), None, 0))
+    assert rows8.install(odd) == 1 and type(odd[0]) is Int8PackLinear and odd[0].one_row  # 80 columns: gemv8
+    for n, k in ((64, 128), (4096 + 16, 2048)):
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scale = (torch.rand(n) * 0.01 + 1e-3).to(torch.bfloat16)
+        seq = torch.nn.Sequential(Int8PackLinear(q, scale, None, upcast_rows=0))
+        assert rows8.install(seq) == 1 and isinstance(seq[0], vnni.Int8RowsLinear)
+        assert seq[0].packed.numel() == q.numel()  # the same bytes, re-laid
+        deq = q.double() * scale.double()[:, None]
+        for x in (torch.randn(1, 1, k, dtype=torch.bfloat16), torch.randn(3, 5, k, dtype=torch.bfloat16)):
+            ref = x.double() @ deq.t()
+            with torch.inference_mode():
+                y, exact = seq(x), torch.ops.quantbench.gemv8t(x.float(), seq[0].packed, seq[0].scale).double()
+            assert y.shape == ref.shape and y.dtype == torch.bfloat16
+            assert (exact - ref).abs().max() <= 1e-4 * ref.abs().max(), (n, k)  # 15-bit x: ~3e-5 of the largest
+            assert (y.double() - ref).abs().max() <= 2 ** -8 * ref.abs().max()  # then one bf16 rounding

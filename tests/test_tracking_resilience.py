@@ -219,3 +219,34 @@ def test_sweep_parent_run_calls_are_bounded_too():
     with pytest.raises(Exception, match="127.0.0.1"):
         mark_stale(dead)  # goes through mlflow_runs.client(): MLflow's own retries are off there too
     assert time.monotonic() - t0 < 8
+
+
+def test_a_new_local_store_is_a_copy_of_an_empty_one_and_mlflow_migrates_nothing(tmp_path, monkeypatch):
+    """harness/records/sqlite_seed.py: MLflow's ~60 migrations run once per MLflow version, into the cache."""
+    import mlflow.store.db.utils as dbutils
+    from mlflow.tracking import MlflowClient
+
+    from harness.records.sqlite_seed import seeded
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    first = f"sqlite:///{tmp_path}/a/mlflow.db"
+    (tmp_path / "a").mkdir()
+    assert seeded(first) == first and (tmp_path / "a" / "mlflow.db").is_file()
+    assert len(list((tmp_path / "cache" / "mlflow").glob("empty-*.db"))) == 1  # built by MLflow, once
+
+    def no_migrations(*a, **k):
+        raise AssertionError("MLflow migrated a seeded store")
+
+    monkeypatch.setattr(dbutils, "_upgrade_db", no_migrations)
+    (tmp_path / "b").mkdir()
+    c = MlflowClient(tracking_uri=seeded(f"sqlite:///{tmp_path}/b/mlflow.db"))  # from the template: no migration
+    exp = c.create_experiment("e")
+    run = c.create_run(exp)
+    c.log_metric(run.info.run_id, "decode_tokens_per_s", 12.5)
+    assert c.get_run(run.info.run_id).data.metrics == {"decode_tokens_per_s": 12.5}
+    default = c.get_experiment("0")  # where MLflow itself would have put it, from this folder
+    assert default.name == "Default" and default.artifact_location == str(tmp_path / "mlruns" / "0")
+    kept = tmp_path / "b" / "other.db"
+    kept.write_bytes(b"not touched")
+    assert seeded(f"sqlite:///{kept}") and kept.read_bytes() == b"not touched"  # an existing file stays as it is

@@ -87,12 +87,12 @@ class TransformersSession(Session):
         metrics.update(audit)
         metrics.update(getattr(exp.quantizer, "last_metrics", {}) or {})
         tags.update(getattr(exp.quantizer, "last_tags", {}) or {})
+        if getattr(getattr(exp, "decode_choice", None), "gemv", "") == "rows8":  # quantizers/rows8.py
+            tags["kernel.gemv_layers"] = str(rows8.install(self.model))  # int4 layers get new storages: first
         moved = hugepages.move(self.model, exp.measure.hugepages, self.device)  # before compile and timing
         tags["weights.hugepages"] = moved.tag
         if moved.share is not None:
             metrics["weights_hugepage_share"] = moved.share
-        if getattr(getattr(exp, "decode_choice", None), "gemv", "") == "rows8":  # quantizers/rows8.py
-            tags["kernel.gemv_layers"] = str(rows8.install(self.model))
         return metrics, tags
 
     def prepare(self, opts: Any, workload: Any, batches: list, log_file: Path) -> Record:

@@ -45,7 +45,9 @@ import quantizers.dtype  # noqa: F401, E402
 import strategies.greedy  # noqa: F401, E402
 import strategies.static_batch  # noqa: F401, E402
 
-OPTIONAL = ("torchao", "torchao.quantization", "safetensors.torch", "tokenizers", "jinja2", "hydra.utils")
+# MLflow's client and SQL store: ~1 s of imports in every cell that records its run
+OPTIONAL = ("torchao", "torchao.quantization", "safetensors.torch", "tokenizers", "jinja2", "hydra.utils",
+            "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store")
 for _name in OPTIONAL:
     with contextlib.suppress(Exception):  # a broken optional backend is the cell's to report, not the server's
         importlib.import_module(_name)
