@@ -46,11 +46,12 @@ if ! command -v g++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; the
   $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends g++
 fi
 
-# quantbench's one-row 16-bit kernel (measure.gemv=rows8, quantizers/rows8.py), built once per torch version into
-# the cache (~10-25 s) so that no run or test pays for it; nothing to build on a CPU without AVX-512
-# (a Python start only when the cache holds no build: a changed source is rebuilt by its first run, under a lock)
+# quantbench's one-row kernels (measure.gemv=rows8, quantizers/rows8.py), built once per source and torch version
+# into the cache (~10-25 s) so that no run or test pays for it; nothing to build on a CPU without AVX-512. A Python
+# start (it finds a built library by its hash in ms) only when no build is newer than the source file
 QB_EXT="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}/ext"
-ls "$QB_EXT"/rows8-*/quantbench_rows8.so >/dev/null 2>&1 || "$VENV/bin/python" -c "from harness import env
+[ -n "$(find "$QB_EXT" -path '*/rows8-*/quantbench_rows8.so' -newer quantizers/rows8.cpp 2>/dev/null | head -1)" ] ||
+  "$VENV/bin/python" -c "from harness import env
 from quantizers import rows8
 if rows8.available(env.cpu_info())[0]: rows8.load()"
 
