@@ -57,12 +57,26 @@ class Quanto(TimedLoad, Quantizer):
 
 def cache_extension() -> None:
     """quanto builds its C++ unpack kernel on first use inside its own package folder, so every fresh venv (each
-    CI run) compiled it again (~35 s on 2 cores). Its build goes to the cache instead, keyed by quanto's and
-    torch's versions (torch's builder still rebuilds when a source changes); scripts/setup.sh --all builds it."""
+    CI run) compiled it again (~35 s on 2 cores). It is built into the cache instead, in a folder named by a hash of
+    its sources, flags and torch's version, and a built one is imported directly: torch's builder (setuptools +
+    ninja) would rebuild it in every new venv, whose source paths and times differ. scripts/setup.sh --all builds it."""
+    import hashlib
+    import importlib.util
+    from pathlib import Path
+
     import optimum.quanto
     import torch
     from optimum.quanto.library.extensions.cpp import ext
 
-    where = cache_root() / "ext" / f"quanto-{optimum.quanto.__version__}-torch{torch.__version__}".replace("+", "_")
+    key = hashlib.sha256(torch.__version__.encode() + repr(ext.extra_cflags).encode())
+    for src in ext.sources:
+        key.update(Path(src).read_bytes())
+    where = cache_root() / "ext" / f"quanto-{optimum.quanto.__version__}-{key.hexdigest()[:16]}"
     where.mkdir(parents=True, exist_ok=True)
     ext.build_directory = str(where)
+    built = where / f"{ext.name}.so"
+    if ext._lib is None and built.is_file() and (where / "pytorch_version.txt").is_file():
+        spec = importlib.util.spec_from_file_location(ext.name, built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # what torch's builder does last, without its rebuild check
+        ext._lib = module
