@@ -148,21 +148,25 @@ at::Tensor gemv8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sca
 //
 // Why integer dot products: widening int4 to fp32 costs ~3 AVX-512 ops per 16 weights, and ATen's int4 kernel is
 // compute-bound at ~21 GB/s on 2 Zen 4 cores, below the memory stream. vpdpbusd multiplies 64 u8 x s8 pairs into
-// 16 int32 sums in one op: the nibbles are the u8 side, x the s8 side. Each group of x is written as a 16-bit
-// fixed-point number v = round(x / dx) (dx = max|x| / 32639) split in two int8 halves, v = 256 h + l, so two
-// vpdpbusd give sum q v exactly: x keeps 15 bits instead of bf16's 8, an error ~3e-5 of the largest output
-// (tested), far below the output's own bf16 rounding. Per group: sum w x = s dx sum q v + (z - 8 s) sum x.
+// 16 int32 sums in one op: the nibbles are the u8 side, x the s8 side. Each group of 32 x is written as a 24-bit
+// fixed-point number v = round(x / dx) (dx = max|x| / 8355711) split in three int8 pieces, v = 65536 h + 256 c + l,
+// so three vpdpbusd give sum q v exactly. Why 24 bits: every bf16 value down to 2^-15 of its group's largest is
+// then exact (bf16 keeps 8 bits, at any exponent), so x enters as x, not rounded again: a first version with 15 bits
+// (two pieces) was coarser than bf16 for values 2^-7 below the group's largest, and small differences of x between
+// eager and compiled steps (inductor rounds the norms differently) moved the outputs several times more than
+// torchao's kernel does: an 8B greedy generation then left the eager one at a near-tie 5 ulps deep. Per group:
+// sum w x = s dx sum q v + (z - 8 s) sum x.
 struct XPrep {  // one input row in the form the integer kernels read
-  std::vector<int8_t> h, l;
+  std::vector<int8_t> h, c, l;  // v = 65536 h + 256 c + l
   std::vector<float> dx, sum;
   float vsum = 0.f;  // sum over k of dx v: x as the kernel sees it, summed (gemv8t's offset correction)
 };
 
 inline void prep4(const float* x, int64_t K, int64_t gs, XPrep& p) {  // gs: a multiple of 16
   const int64_t G = K / gs;
-  p.h.resize(K), p.l.resize(K), p.dx.resize(G), p.sum.resize(G);
+  p.h.resize(K), p.c.resize(K), p.l.resize(K), p.dx.resize(G), p.sum.resize(G);
   p.vsum = 0.f;
-  const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+  const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255), vmax = _mm512_set1_epi32(8355711);
   for (int64_t g = 0; g < G; ++g) {
     const float* xg = x + g * gs;
     __m512 mx = _mm512_setzero_ps(), sm = _mm512_setzero_ps();
@@ -171,16 +175,21 @@ inline void prep4(const float* x, int64_t K, int64_t gs, XPrep& p) {  // gs: a m
       mx = _mm512_max_ps(mx, _mm512_abs_ps(v)), sm = _mm512_add_ps(sm, v);
     }
     const float m = _mm512_reduce_max_ps(mx);
-    p.dx[g] = m / 32639.f, p.sum[g] = _mm512_reduce_add_ps(sm);  // 32639 = 127 * 256 + 127: both halves fit int8
-    const __m512 inv = _mm512_set1_ps(m > 0.f ? 32639.f / m : 0.f);
+    p.dx[g] = m / 8355711.f, p.sum[g] = _mm512_reduce_add_ps(sm);  // 8355711 = 127 (65536 + 256 + 1): pieces fit
+    const __m512 inv = _mm512_set1_ps(m > 0.f ? 8355711.f / m : 0.f);
     __m512i vs = _mm512_setzero_si512();
     for (int64_t i = 0; i < gs; i += 16) {
-      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv));  // rounded to nearest
+      // rounded to nearest; clamped, as x * (8355711 / m) for x = m can round up to 8355712 in fp32
+      const __m512i v = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv)),
+                                                          vmax), _mm512_sub_epi32(_mm512_setzero_si512(), vmax));
       vs = _mm512_add_epi32(vs, v);
       const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, c128), c255), c128);  // -128..127
+      const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(v, lo), 8);
+      const __m512i mid = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, c128), c255), c128);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p.l.data() + g * gs + i), _mm512_cvtepi32_epi8(lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p.c.data() + g * gs + i), _mm512_cvtepi32_epi8(mid));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p.h.data() + g * gs + i),
-                       _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(v, lo), 8)));
+                       _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(r, mid), 8)));
     }
     p.vsum += p.dx[g] * static_cast<float>(_mm512_reduce_add_epi32(vs));
   }
@@ -188,6 +197,12 @@ inline void prep4(const float* x, int64_t K, int64_t gs, XPrep& p) {  // gs: a m
 
 inline __m512 bf16x16(const uint8_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// the three pieces' sums as one fp32: (256 h + c) is exact in int32 (and below 2^24 for int4), then one rounding
+__attribute__((target("avx512vnni"))) inline __m512 join3(__m512i h, __m512i c, __m512i l) {
+  const __m512 hc = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 8), c));
+  return _mm512_fmadd_ps(hc, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(l));
 }
 
 inline __m512i bcast4(const int8_t* p) {  // 4 int8 values into every 32-bit lane
@@ -206,9 +221,9 @@ __attribute__((target("avx512vnni"))) inline void tiles4(const uint8_t* w, const
   for (int t = 0; t < T; ++t)
     for (int m = 0; m < M; ++m) out[t][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i ah[T][M], al[T][M];
+    __m512i ah[T][M], ac[T][M], al[T][M];
     for (int t = 0; t < T; ++t)
-      for (int m = 0; m < M; ++m) ah[t][m] = al[t][m] = _mm512_setzero_si512();
+      for (int m = 0; m < M; ++m) ah[t][m] = ac[t][m] = al[t][m] = _mm512_setzero_si512();
     for (int64_t c = 0; c < gs / 8; ++c) {
       const int64_t k = g * gs + c * 8;
       for (int t = 0; t < T; ++t) {
@@ -216,8 +231,10 @@ __attribute__((target("avx512vnni"))) inline void tiles4(const uint8_t* w, const
         const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         for (int m = 0; m < M; ++m) {
           ah[t][m] = _mm512_dpbusd_epi32(ah[t][m], lo, bcast4(x[m].h.data() + k));
+          ac[t][m] = _mm512_dpbusd_epi32(ac[t][m], lo, bcast4(x[m].c.data() + k));
           al[t][m] = _mm512_dpbusd_epi32(al[t][m], lo, bcast4(x[m].l.data() + k));
           ah[t][m] = _mm512_dpbusd_epi32(ah[t][m], hi, bcast4(x[m].h.data() + k + 4));
+          ac[t][m] = _mm512_dpbusd_epi32(ac[t][m], hi, bcast4(x[m].c.data() + k + 4));
           al[t][m] = _mm512_dpbusd_epi32(al[t][m], hi, bcast4(x[m].l.data() + k + 4));
         }
       }
@@ -226,7 +243,7 @@ __attribute__((target("avx512vnni"))) inline void tiles4(const uint8_t* w, const
       const uint8_t* sz = w + (t0 + t) * tbytes + g * gbytes + gs * 8;
       const __m512 sc = bf16x16(sz), zq = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sc, bf16x16(sz + 32));  // z - 8 s
       for (int m = 0; m < M; ++m) {
-        const __m512 q = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah[t][m], 8), al[t][m]));
+        const __m512 q = join3(ah[t][m], ac[t][m], al[t][m]);
         out[t][m] = _mm512_fmadd_ps(q, _mm512_mul_ps(sc, _mm512_set1_ps(x[m].dx[g])), out[t][m]);
         out[t][m] = _mm512_fmadd_ps(zq, _mm512_set1_ps(x[m].sum[g]), out[t][m]);
       }
@@ -283,8 +300,8 @@ at::Tensor gemv4(const at::Tensor& x, const at::Tensor& w, int64_t gs) {
 // ---- int8: quantbench::gemv8t (quantizers/vnni.py's Int8RowsLinear) ----
 // Symmetric int8 rows with one scale each (quantizers/int8pack.py's values), re-laid in tiles of 16 rows for the same
 // integer dot products as gemv4: w[N/16, K/4, 64], byte 4r + j = q[row r][k0 + j] + 128 (vpdpbusd's unsigned side;
-// the 128 comes back out as 128 sum x). x as in gemv4, in groups of 32. y[n] = scale[n] (sum_k (q + 128) v dx -
-// 128 sum_k v dx). Two vpdpbusd per 64 weights, where widening int8 to fp32 (gemv8) costs ~3 ops per 16.
+// the 128 comes back out as 128 sum x). x as in gemv4 (24-bit fixed point in groups of 32). y[n] = scale[n] (sum_k (q + 128) v dx -
+// 128 sum_k v dx). Three vpdpbusd per 64 weights, where widening int8 to fp32 (gemv8) costs ~3 ops per 16.
 template <int T, int M>
 __attribute__((target("avx512vnni"))) inline void tiles8(const uint8_t* w, const uint16_t* scale, const XPrep* x,
                                                          float* y, int64_t N, int64_t t0, int64_t K) {
@@ -293,21 +310,22 @@ __attribute__((target("avx512vnni"))) inline void tiles8(const uint8_t* w, const
   for (int t = 0; t < T; ++t)
     for (int m = 0; m < M; ++m) out[t][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < K / 32; ++g) {
-    __m512i ah[T][M], al[T][M];
+    __m512i ah[T][M], ac[T][M], al[T][M];
     for (int t = 0; t < T; ++t)
-      for (int m = 0; m < M; ++m) ah[t][m] = al[t][m] = _mm512_setzero_si512();
+      for (int m = 0; m < M; ++m) ah[t][m] = ac[t][m] = al[t][m] = _mm512_setzero_si512();
     for (int64_t k = g * 32; k < g * 32 + 32; k += 4) {
       for (int t = 0; t < T; ++t) {
         const __m512i v = _mm512_loadu_si512(w + (t0 + t) * tbytes + k * 16);
         for (int m = 0; m < M; ++m) {
           ah[t][m] = _mm512_dpbusd_epi32(ah[t][m], v, bcast4(x[m].h.data() + k));
+          ac[t][m] = _mm512_dpbusd_epi32(ac[t][m], v, bcast4(x[m].c.data() + k));
           al[t][m] = _mm512_dpbusd_epi32(al[t][m], v, bcast4(x[m].l.data() + k));
         }
       }
     }
     for (int t = 0; t < T; ++t)
       for (int m = 0; m < M; ++m) {
-        const __m512 q = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah[t][m], 8), al[t][m]));
+        const __m512 q = join3(ah[t][m], ac[t][m], al[t][m]);
         out[t][m] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[m].dx[g]), out[t][m]);
       }
   }

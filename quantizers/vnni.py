@@ -6,10 +6,11 @@
 `to_int8rows(model)` swaps quantizers/int8pack.py's `Int8PackLinear` (the `int8` quantizer and `head=int8`: int8
 rows, one scale each) for an `Int8RowsLinear`. Each holds the same values, scales and zeros, re-laid in tiles of
 16 rows for its kernel: the quantization is the quantizer's, bit for bit (tested), and the stored bytes are the
-same. Only the multiplication differs: the kernels round each group of 32 x values to 15-bit fixed point
-(instead of bf16's 8 bits) and multiply with integer dot products, several times fewer operations than widening
-the weights to fp32 (rows8.cpp says why that matters); the outputs differ from the quantizer's own kernel by less
-than their bf16 rounding (tested). Every input width runs on them, one row for a decode step and four at a time
+same. Only the multiplication differs: the kernels write each group of 32 x values as 24-bit fixed point (every
+bf16 value down to 2^-15 of its group's largest exactly) and multiply with integer dot products, several times
+fewer operations than widening the weights to fp32 (rows8.cpp says why that matters, and why 24 bits and not 15);
+the outputs match an fp64 matmul of the dequantized weights to ~3e-7 of the largest, as an fp32 matmul does
+(tested). Every input width runs on them, one row for a decode step and four at a time
 for a prompt, so the quantizer's copy is not kept.
 """
 
