@@ -9,7 +9,10 @@ only adds version-counter savings, so timings stay comparable.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from harness.cache import cache_root
@@ -60,10 +63,6 @@ def cache_extension() -> None:
     CI run) compiled it again (~35 s on 2 cores). It is built into the cache instead, in a folder named by a hash of
     its sources, flags and torch's version, and a built one is imported directly: torch's builder (setuptools +
     ninja) would rebuild it in every new venv, whose source paths and times differ. scripts/setup.sh --all builds it."""
-    import hashlib
-    import importlib.util
-    from pathlib import Path
-
     import optimum.quanto
     import torch
     from optimum.quanto.library.extensions.cpp import ext

@@ -9,8 +9,8 @@ vdpbf16ps where the CPU has AVX512_BF16). llama.cpp's F16/BF16 matmuls stream at
 rounds, GB/s median): bf16 rows8 45.5 vs ATen 38.6, fp16 rows8 44.8 vs ATen 39.1, int8 rows8 24.3 vs
 `_weight_int8pack_mm` 21.7 (int8 is compute-bound: three ops per 16 weights to widen and multiply them).
 int4 and int8 go through integer dot products instead where the CPU has AVX512_VNNI (`gemv4`, `gemv8t`;
-quantizers/vnni.py says how the numerics stay within bf16 rounding): on the same host on a day its plain memory
-stream read ~34 GB/s, int4 28.0 GB/s vs torchao's kernel 21.3, int8 31.1 vs gemv8 22.9 (docs/fast_path.md).
+quantizers/vnni.py says how the numerics stay at fp32's): same host and setup, int4 34.4 GB/s vs torchao's kernel
+21.9, int8 34.7 vs gemv8 24.8 (docs/fast_path.md).
 
 How it runs: `load()` builds quantizers/rows8.cpp once per torch version with torch's C++ extension builder
 (g++, ~10-25 s; `scripts/setup.sh` builds it ahead) into the cache (`$QUANTBENCH_CACHE/ext`), and loads it as
