@@ -53,12 +53,32 @@ def pytest_configure(config):
     """Under pytest-xdist (`make test`), measure this host's memory bandwidth in the controller, before any worker
     starts. Measured beside a busy worker it would read low, and the value is cached for every later run on this
     host (harness/analysis/bandwidth.py) as its roofline bound."""
-    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+    if hasattr(config, "workerinput"):
+        _pin_worker(config.workerinput)
+        return
+    if not getattr(config.option, "numprocesses", None):
         return
     from harness.analysis.bandwidth import host_bandwidth
 
     for threads in sorted({1, os.cpu_count() or 1}):
         host_bandwidth("cpu", threads)
+
+
+def _pin_worker(workerinput: dict) -> None:
+    """Give each xdist worker its own share of the cores (worker i of n: cores i, i+n, ...), inherited by the runs
+    and servers it starts. Unpinned, two workers each ran torch with one thread per core of the machine: on 2 cores
+    4 threads fought over 2, and an OpenMP region waits for its slowest thread, so a test beside another ran
+    up to 2.6x its time alone instead of ~2x. `QUANTBENCH_TEST_PIN=0` leaves the workers unpinned."""
+    if os.environ.get("QUANTBENCH_TEST_PIN", "1") == "0":
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    n, i = int(workerinput.get("workercount", 1)), int(str(workerinput.get("workerid", "gw0"))[2:] or 0)
+    if n > 1 and len(cores) >= n:
+        share = cores[i % n::n]
+        os.sched_setaffinity(0, share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(share)))
+        if "torch" in sys.modules:  # imported before this hook: its pool was sized for all cores
+            sys.modules["torch"].set_num_threads(len(share))
 
 
 @pytest.hookimpl(optionalhook=True)  # the serial pass runs without xdist (-p no:xdist), which defines this hook
