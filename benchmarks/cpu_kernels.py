@@ -130,7 +130,11 @@ def one_row_table(threads: int, small: bool = False) -> int:
     }
     if rows8.available(cpu_info())[0]:  # quantbench's own 8-row kernel (quantizers/rows8.py)
         rows8.load()
-        cands["bf16 rows8 (measure.gemv=rows8)"] = (lambda: [rows8.gemv16(x, w) for w in bf], 2.0)
+        cands["bf16 rows8 (row-major, 8 rows)"] = (lambda: [rows8.gemv16(x, w) for w in bf], 2.0)
+        if "avx512_bf16" in cpu_info().flags:  # bf16 in tiles of 4 rows (Bf16RowsLinear, what rows8 installs)
+            t16 = [rows8.relayout16(w) for w in bf]
+            cands["bf16 gemv16t (tiles of 4 rows, measure.gemv=rows8)"] = (
+                lambda: [torch.ops.quantbench.gemv16t(x, w) for w in t16], 2.0)
         cands["fp16 rows8"] = (lambda: [rows8.gemv16(xh, w) for w in half], 2.0)
         cands["int8 rows8 (Int8PackLinear, one row)"] = (lambda: [rows8.gemv8(x, w, i8s) for w in i8], 1.0)
     if rows8.available(cpu_info())[0] and "avx512_vnni" in cpu_info().flags:  # integer dot products (vnni.py)

@@ -81,6 +81,32 @@ __attribute__((target("avx512bf16"))) inline void block_dp(const uint16_t* xb, c
   }
 }
 
+// bf16 weights re-laid in tiles of 4 rows, [N/4][K/32][4 rows][32] (quantizers/rows8.py, relayout16): each thread
+// then reads one contiguous stream instead of 8 rows 4 KiB apart, and the hardware prefetcher keeps up with it.
+// Measured on AMD EPYC family 25 model 17 (Zen 4), 2 threads, 1.2 GB of [N, 2048] bf16 on 2 MiB pages, standalone
+// C++, best of 5: row-major 8 rows 49.6-50.2 GB/s (16 rows 50.9-52.3; a software prefetch 256 B-1 KiB ahead
+// 47.3-48.5), tiles of 8 rows 59.5-59.9, of 4 rows 61.2-63.0, of 16 rows 56.6-57.0. Per row, the sums are those of
+// block_dp (same chunks, same vdpbf16ps order, same reduction), so a row's value does not depend on the layout or on
+// how many x rows share the pass (M, up to 4: a prompt's rows reuse the tile while it is in L1/L2).
+template <int M>
+__attribute__((target("avx512bf16"))) inline void tile16(const uint16_t* x, int64_t K, const uint16_t* wt,
+                                                           c10::BFloat16* y, int64_t N, int64_t n0) {
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const uint16_t* p = wt + c * 128;
+    __m512bh w[4];
+    for (int i = 0; i < 4; ++i) w[i] = (__m512bh)_mm512_loadu_si512(p + i * 32);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + c * 32);
+      for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_dpbf16_ps(acc[m][i], w[i], xv);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < 4; ++i) y[m * N + n0 + i] = c10::BFloat16(_mm512_reduce_add_ps(acc[m][i]));  // round to nearest even, as .to(bf16)
+}
+
 template <bool BF16>
 void gemv(const float* x, const uint16_t* w, float* y, int64_t N, int64_t K) {
   constexpr int R = 8;
@@ -375,6 +401,36 @@ at::Tensor gemv8t(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc
   return y.to(x.scalar_type()).view(shape);
 }
 
+// quantbench::gemv16t(x[..., K] bf16, w [N/4, K/32, 128] bf16 tiles) -> y[..., N] bf16; any number of x rows, 4 per pass
+at::Tensor gemv16t(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "gemv16t needs AVX512_BF16");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 128 && w.is_contiguous() && w.device().is_cpu() &&
+              w.scalar_type() == at::kBFloat16, "gemv16t: w must be contiguous bf16 [N/4, K/32, 128]");
+  const int64_t N = w.size(0) * 4, K = w.size(1) * 32;
+  TORCH_CHECK(x.size(-1) == K && x.scalar_type() == at::kBFloat16, "gemv16t: x must be bf16 with ", K, " columns");
+  const auto xb = x.reshape({-1, K}).contiguous();
+  const int64_t rows = xb.size(0);
+  auto y = at::empty({rows, N}, xb.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  // grain: at least ~256 KiB of weights per task, so small matrices do not pay for a second thread
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (4 * K * 2));
+  at::parallel_for(0, N / 4, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* wt = wp + t * 4 * K;
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) tile16<4>(xp + r * K, K, wt, yp + r * N, N, t * 4);
+      if (rows - r == 3) tile16<3>(xp + r * K, K, wt, yp + r * N, N, t * 4);
+      if (rows - r == 2) tile16<2>(xp + r * K, K, wt, yp + r * N, N, t * 4);
+      if (rows - r == 1) tile16<1>(xp + r * K, K, wt, yp + r * N, N, t * 4);
+    }
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
 at::Tensor gemv16(const at::Tensor& x, const at::Tensor& w, bool dp) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "gemv16: w must be a contiguous CPU matrix");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf, "gemv16: w must be bf16 or fp16");
@@ -406,12 +462,14 @@ TORCH_LIBRARY(quantbench, m) {
   m.def("gemv8(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("gemv4(Tensor x, Tensor w, int gs) -> Tensor");
   m.def("gemv8t(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("gemv16t(Tensor x, Tensor w) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(quantbench, CPU, m) {
   m.impl("gemv16", &gemv16);
   m.impl("gemv8", &gemv8);
   m.impl("gemv4", &gemv4);
   m.impl("gemv8t", &gemv8t);
+  m.impl("gemv16t", &gemv16t);
 }
 // inference only: no gradient, and no warning when a caller holds weights that require one
 TORCH_LIBRARY_IMPL(quantbench, Autograd, m) {
@@ -419,4 +477,5 @@ TORCH_LIBRARY_IMPL(quantbench, Autograd, m) {
   m.impl("gemv8", torch::CppFunction::makeFallthrough());
   m.impl("gemv4", torch::CppFunction::makeFallthrough());
   m.impl("gemv8t", torch::CppFunction::makeFallthrough());
+  m.impl("gemv16t", torch::CppFunction::makeFallthrough());
 }

@@ -66,6 +66,7 @@ def load() -> None:
     torch.library.register_fake("quantbench::gemv8")(lambda x, q, scale: x.new_empty(q.shape[0]))
     torch.library.register_fake("quantbench::gemv4")(lambda x, w, gs: x.new_empty(*x.shape[:-1], w.shape[0] * 16))
     torch.library.register_fake("quantbench::gemv8t")(lambda x, w, s: x.new_empty(*x.shape[:-1], w.shape[0] * 16))
+    torch.library.register_fake("quantbench::gemv16t")(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0] * 4))
 
 
 def library() -> Path:
@@ -121,13 +122,70 @@ def _one_row_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return self.qb_wide_forward(x)
 
 
+def relayout16(w: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] -> gemv16t's tiles of 4 rows, [N/4, K/32, 128] (rows8.cpp says why)."""
+    n, k = w.shape
+    return w.reshape(n // 4, 4, k // 32, 32).permute(0, 2, 1, 3).reshape(n // 4, k // 32, 128).contiguous()
+
+
+def unpack16(packed: torch.Tensor) -> torch.Tensor:
+    """gemv16t's tiles back to the [N, K] matrix."""
+    t, c, _ = packed.shape
+    return packed.reshape(t, c, 4, 32).permute(0, 2, 1, 3).reshape(t * 4, c * 32)
+
+
+class Bf16RowsLinear(torch.nn.Module):
+    """y = x @ W.T for a bf16 W held in gemv16t's tiles of 4 rows: the same values, one contiguous stream per
+    thread. Inputs of up to WIDE rows (decode steps, batches, short prompts) run on the kernel; wider ones
+    (perplexity windows, long prompts) on the unpacked matrix through torch's own matmul, where compute, not the
+    stream, is the cost."""
+
+    WIDE = 64
+
+    def __init__(self, packed: torch.Tensor, bias: Any) -> None:
+        super().__init__()
+        self.in_features, self.out_features = int(packed.shape[1]) * 32, int(packed.shape[0]) * 4
+        self.register_buffer("packed", packed)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.numel() <= self.WIDE * self.in_features:
+            y = torch.ops.quantbench.gemv16t(x, self.packed)
+            return y if self.bias is None else y + self.bias
+        return torch.nn.functional.linear(x, unpack16(self.packed).to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def bf16_tiles(m: Any, cpu: Any) -> bool:
+    """A plain bf16 CPU linear (its class's own forward) in a shape gemv16t takes, on a CPU with AVX512_BF16."""
+    w = getattr(m, "weight", None)
+    return ("avx512_bf16" in cpu.flags and type(m) is torch.nn.Linear and type(w) in (torch.Tensor, torch.nn.Parameter)
+            and w.device.type == "cpu" and w.dtype == torch.bfloat16 and "forward" not in vars(m)
+            and w.shape[0] % 4 == 0 and w.shape[1] % 32 == 0)
+
+
+def to_bf16rows(model: Any, cpu: Any) -> int:
+    """Swap every linear `bf16_tiles` takes for a Bf16RowsLinear; returns how many. A head tied to the input
+    embedding gets its own tiled copy (the embedding keeps the table: +vocab x hidden x 2 bytes, in the memory
+    estimate); an untied layer's old matrix is freed."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if bf16_tiles(child, cpu)]
+    for parent, name, child in swaps:
+        setattr(parent, name, Bf16RowsLinear(relayout16(child.weight.detach()), child.bias))
+    return len(swaps)
+
+
 def install(model: Any) -> int:
-    """One-row inputs of the model's plain 16-bit CPU linears and int8 layers go to the kernels, and torchao's
-    int4 layers become Int4RowsLinear (every input, where the CPU has AVX512_VNNI); returns how many layers."""
+    """One-row inputs of the model's plain 16-bit CPU linears and int8 layers go to the kernels; bf16 linears
+    become Bf16RowsLinear where the CPU has AVX512_BF16, and torchao's int4 layers Int4RowsLinear (every input,
+    where the CPU has AVX512_VNNI); returns how many layers."""
     cpu = env.cpu_info()
     require(cpu)
     load()
     n = to_int4rows(model) + to_int8rows(model) if "avx512_vnni" in cpu.flags else 0
+    n += to_bf16rows(model, cpu)
     for m in model.modules():
         if isinstance(m, Int8PackLinear):  # int8 rows + scales (quantizer int8 on CPU): the int8 kernel
             n += not m.one_row

@@ -53,7 +53,11 @@ def test_kernel_matches_an_fp32_matmul_on_ragged_shapes(dtype):
         assert torch.allclose(y.float(), ref, rtol=2 * tol, atol=2 * tol * ref.abs().max().item()), (n, k)
 
 
-def test_install_sends_one_row_to_the_kernel_and_keeps_wider_inputs_on_the_layer():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_install_sends_one_row_to_the_kernel_and_keeps_wider_inputs_on_the_layer(dtype):
+    """fp16 (and bf16 without AVX512_BF16): one row to gemv16, wider inputs on the layer's own forward, bit for bit.
+    bf16 with AVX512_BF16: every linear becomes a Bf16RowsLinear (gemv16t's tiles, the same values): one row
+    gives gemv16's very sums, up to WIDE rows run on the kernel, wider ones on the unpacked matrix, bit for bit."""
     if not HERE:
         return _refused_here()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,18 +65,65 @@ def test_install_sends_one_row_to_the_kernel_and_keeps_wider_inputs_on_the_layer
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    tiles = dtype == torch.bfloat16 and "avx512_bf16" in env.cpu_info().flags
     ids = torch.tensor([[5, 6, 7, 8, 9]])
+    long = torch.arange(rows8.Bf16RowsLinear.WIDE + 6)[None] % 96
     with torch.inference_mode():
-        wide, one = model(ids).logits, model(ids[:, :1]).logits
+        wide, one, longest = model(ids).logits, model(ids[:, :1]).logits, model(long).logits
+        one_gemv16 = None
+        if tiles:  # what gemv16 (row-major rows, the same sums) gives for one row, to compare the tiles with
+            rows8.load()
+            head = model.lm_head
+            x = torch.randn(1, 1, 64, dtype=dtype)
+            one_gemv16 = (x, torch.ops.quantbench.gemv16(x, head.weight))
         assert rows8.install(model) == 2 * 7 + 1  # q k v o gate up down per layer + the head
         assert rows8.install(model) == 0  # installed once
         with torch.profiler.profile() as prof:
             one_after = model(ids[:, :1]).logits
-        assert torch.equal(model(ids).logits, wide)  # 5 rows: the layer's own forward, unchanged
+        assert torch.equal(model(long).logits, longest)  # over WIDE rows: the layer's own matmul, unchanged
+        if tiles:
+            assert isinstance(model.lm_head, rows8.Bf16RowsLinear)
+            assert model.model.embed_tokens.weight.shape == (96, 64)  # the tied table stays for the embedding
+            x, want = one_gemv16
+            assert torch.equal(model.lm_head(x).view(-1), want)  # the same sums as gemv16's 8 rows
+            five = model(ids).logits  # 5 rows on the kernel: each row as if alone
+            assert torch.equal(five[:, :1], one_after)
+            assert torch.allclose(five.float(), wide.float(), atol=0.05, rtol=0.05)
+        else:
+            assert torch.equal(model(ids).logits, wide)  # 5 rows: the layer's own forward, unchanged
     names = {e.key for e in prof.key_averages()}
-    assert "quantbench::gemv16" in names
+    assert ("quantbench::gemv16t" if tiles else "quantbench::gemv16") in names
     assert torch.allclose(one_after.float(), one.float(), atol=0.05, rtol=0.05)
+
+
+def test_bf16_tiles_give_each_row_the_same_sums_at_every_width_and_leave_other_shapes():
+    import dataclasses
+
+    cpu = env.cpu_info()
+    bf16 = dataclasses.replace(cpu, flags=frozenset(cpu.flags | {"avx512_bf16"}))
+    no_bf16 = dataclasses.replace(cpu, flags=frozenset(cpu.flags - {"avx512_bf16"}))
+    assert rows8.bf16_tiles(torch.nn.Linear(64, 64, dtype=torch.bfloat16), bf16)
+    assert not rows8.bf16_tiles(torch.nn.Linear(64, 64, dtype=torch.bfloat16), no_bf16)  # gemv16 keeps it
+    assert not rows8.bf16_tiles(torch.nn.Linear(70, 13, dtype=torch.bfloat16), bf16)  # not 4 rows x 32 columns
+    assert not rows8.bf16_tiles(torch.nn.Linear(64, 64, dtype=torch.float16), bf16)
+    patched = torch.nn.Linear(64, 64, dtype=torch.bfloat16)
+    patched.forward = patched.forward  # quantizers/dtype.py's upcast (a forward of its own): left alone
+    assert not rows8.bf16_tiles(patched, bf16)
+    if not HERE or "avx512_bf16" not in cpu.flags:
+        return  # the kernel cannot run on this CPU, and install does not ask it to (bf16_tiles, above)
+    rows8.load()
+    torch.manual_seed(0)
+    for n, k in ((8, 32), (516, 2080), (12, 96)):
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        packed = rows8.relayout16(w)
+        assert packed.shape == (n // 4, k // 32, 128) and torch.equal(rows8.unpack16(packed), w)
+        x = torch.randn(9, k, dtype=torch.bfloat16)
+        alone = torch.stack([torch.ops.quantbench.gemv16(x[i], w) for i in range(9)])
+        for m in (1, 2, 3, 4, 5, 9):  # 4 rows per pass, and the 3/2/1-row tails
+            assert torch.equal(torch.ops.quantbench.gemv16t(x[:m], packed), alone[:m]), (n, k, m)
+        ref = x.double() @ w.double().t()
+        assert (alone.double() - ref).abs().max() <= 2 ** -7 * ref.abs().max()  # one bf16 rounding of the output
 
 
 def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
@@ -88,7 +139,7 @@ def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
         rows8.load.__wrapped__()
 
 
-@pytest.mark.parametrize("quantizer,kernel", [("bf16", "quantbench::gemv16"), ("int4", "quantbench::gemv4")])
+@pytest.mark.parametrize("quantizer,kernel", [("bf16", "quantbench::gemv16t"), ("int4", "quantbench::gemv4")])
 def test_a_run_records_the_kernel_it_took(results_overrides, quantizer, kernel):
     exp = build(compose(["model=tiny_random", f"quantizer={quantizer}", "measure.gemv=rows8", "measure.max_new_tokens=4",
                          "measure.repetitions=1", "measure.warmup=0", "accuracy.enabled=false", *results_overrides]))
@@ -96,6 +147,8 @@ def test_a_run_records_the_kernel_it_took(results_overrides, quantizer, kernel):
         return _refused_here()
     if quantizer == "int4" and "avx512_vnni" not in env.cpu_info().flags:
         kernel = "aten::_weight_int4pack_mm_for_cpu"  # AVX-512 without VNNI: torchao's int4 layers stay
+    if quantizer == "bf16" and "avx512_bf16" not in env.cpu_info().flags:
+        kernel = "quantbench::gemv16"  # AVX-512 without BF16: row-major rows, no tiles
     result = runner.execute(exp)
     assert result.status == "OK", result.error
     t = result.tags

@@ -65,6 +65,7 @@ class Counts:
     vocab: int
     hidden: int
     intermediate: int
+    tied: bool = False  # the output head is the input embedding's table
 
 
 @dataclass
@@ -109,7 +110,8 @@ def _counts_from_hf(cfg: Any) -> Counts:
                   layers=len(layers),
                   kv_heads=int(getattr(text, "num_key_value_heads", None) or heads), head_dim=head_dim,
                   vocab=int(text.vocab_size), hidden=int(text.hidden_size),
-                  intermediate=int(getattr(text, "intermediate_size", 4 * text.hidden_size)))
+                  intermediate=int(getattr(text, "intermediate_size", 4 * text.hidden_size)),
+                  tied=bool(getattr(text, "tie_word_embeddings", False)))
 
 
 def _counts_from_gguf(path: Path) -> Counts:
@@ -129,7 +131,7 @@ def _counts_from_gguf(path: Path) -> Counts:
                   largest_layer_tensor=float(max((int(t.n_elements) for t in tensors if t.name.startswith("blk.")),
                                                  default=0)), layers=shape.layers,
                   kv_heads=shape.kv_heads, head_dim=shape.head_dim, vocab=shape.embed_rows, hidden=hidden,
-                  intermediate=ffn[0] if ffn else 4 * hidden)
+                  intermediate=ffn[0] if ffn else 4 * hidden, tied=shape.tied)
 
 
 _COUNTS: dict[tuple[str, str], Counts] = {}  # per process: a sweep's cells and run.py's precheck count once
@@ -214,6 +216,10 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
         # inductor freezing folds the weights into new constant tensors (prepacked where oneDNN takes them)
         # beside the module's own parameters: a second copy (harness/measure/paths.py)
         parts["freezing copy"] = parts["weights"]
+    if counts.tied and load == "bfloat16" and getattr(getattr(exp, "decode_choice", None), "gemv", "") == "rows8" \
+            and getattr(exp.quantizer, "head", "") != "int8":
+        # quantizers/rows8.py re-lays bf16 linears in gemv16t's tiles; a tied head gets its own copy
+        parts["tied head copy (rows8 tiles)"] = counts.vocab * counts.hidden * 2.0
     est = Estimate(parts=parts, where="GPU memory" if device.startswith("cuda") else "RAM", phases=phases)
     fixed = parts["runtime"] + parts["KV cache"] + parts["activations"]
     int_peak = counts.largest_layer * 2 + counts.largest_layer_tensor * 8.0  # one bf16 layer + a fp32 work copy

@@ -119,8 +119,14 @@ def rates(dtypes: tuple[torch.dtype, ...], kernel: str, n: int = 4096, mats: int
           rounds: int = 3) -> dict[str, float]:
     """GB/s of a one-row matmul per dtype over `mats` n x n weights (beyond the caches), interleaved, through
     `kernel` (measure.gemv's choice: rows8, aten, onednn)."""
-    mm = rows8.gemv16 if kernel == "rows8" else torch.nn.functional.linear
     ws = {dt: [torch.randn(n, n).to(dt) * 0.02 for _ in range(mats)] for dt in dtypes}
+    mms = {dt: torch.nn.functional.linear for dt in dtypes}
+    if kernel == "rows8":  # the kernel a run's layer will use: bf16 in gemv16t's tiles where the CPU takes them
+        mms = {dt: rows8.gemv16 for dt in dtypes}
+        if torch.bfloat16 in ws and rows8.bf16_tiles(torch.nn.Linear(n, n, bias=False, dtype=torch.bfloat16),
+                                                    env.cpu_info()):
+            ws[torch.bfloat16] = [rows8.relayout16(w) for w in ws[torch.bfloat16]]
+            mms[torch.bfloat16] = torch.ops.quantbench.gemv16t
     xs = {dt: torch.randn(1, n).to(dt) for dt in dtypes}
     out: dict[str, list[float]] = {str(dt).replace("torch.", ""): [] for dt in dtypes}
     with gemv_off_onednn(kernel == "aten"), torch.inference_mode():
@@ -128,7 +134,7 @@ def rates(dtypes: tuple[torch.dtype, ...], kernel: str, n: int = 4096, mats: int
             for dt in (dtypes if r % 2 else tuple(reversed(dtypes))):
                 t0 = time.perf_counter()
                 for w in ws[dt]:
-                    mm(xs[dt], w)
+                    mms[dt](xs[dt], w)
                 if r:  # round 0 warms up
                     out[str(dt).replace("torch.", "")].append(mats * n * n * 2 / (time.perf_counter() - t0) / GB)
     return {k: statistics.median(v) for k, v in out.items()}
@@ -140,7 +146,7 @@ def sixteen_choice(device: str, kernel: str) -> tuple[str, str]:
         return "bfloat16", f"{device}: bf16 (GPU GEMV streams both 16-bit formats alike; not measured here)"
     cpu = env.cpu_info()
     key = f"{cpu.vendor}-{cpu.family}-{cpu.model}-{cpu.isa}-{torch.__version__}-{torch.get_num_threads()}t-" \
-          f"{kernel}".replace(" ", "_")
+          f"{kernel}{'-t16' if kernel == 'rows8' else ''}".replace(" ", "_")  # -t16: bf16 in gemv16t's tiles
     path = cache_root() / "auto16" / f"{key}.json"
     try:
         measured = json.loads(path.read_text())
