@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from harness.measure.hugepages import trim_heap as trim
 from quantizers.int8pack import Int8PackLinear
 
 
@@ -83,11 +84,15 @@ def relayout(q: Any, scale: Any, zero: Any, gs: int) -> Any:
     return torch.cat([chunks, *sz], dim=2).contiguous()
 
 
-def relayout8(q: Any) -> Any:
-    """q [N, K] int8 -> the kernel's uint8 [N/16, K/4, 64] (rows8.cpp, gemv8t): q + 128, 16 rows x 4 k per chunk."""
+def relayout8(q: Any, rows: int = 4096) -> Any:
+    """q [N, K] int8 -> the kernel's uint8 [N/16, K/4, 64] (rows8.cpp, gemv8t): q + 128, 16 rows x 4 k per chunk.
+    `rows` at a time: the temporaries (6 bytes per weight) stay ~100 MB, not 1.5 GB for an 8B model's head."""
     n, k = q.shape
-    u = (q.to(torch.int16) + 128).to(torch.uint8)
-    return u.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous()
+    out = torch.empty(n // 16, k // 4, 64, dtype=torch.uint8)
+    for r0 in range(0, n, rows):
+        u = (q[r0:r0 + rows].to(torch.int16) + 128).to(torch.uint8)
+        out[r0 // 16:(r0 + u.shape[0]) // 16] = u.reshape(-1, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, k // 4, 64)
+    return out
 
 
 def convertible(mod: Any) -> bool:
@@ -105,20 +110,26 @@ def convertible(mod: Any) -> bool:
 def to_int8rows(model: Any) -> int:
     """Swap every Int8PackLinear whose shape the kernel takes (rows a multiple of 16, columns of 32) for an
     Int8RowsLinear (the kernel must be loaded); returns how many."""
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+    swaps = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, Int8PackLinear) and child.out_features % 16 == 0 and child.in_features % 32 == 0]
-    for parent, name, child in swaps:
+    for parent, name in swaps:  # (parent, name) only: each old layer is freed as it is replaced
+        child = getattr(parent, name)
         packed = relayout8(child.qdata)
         setattr(parent, name, Int8RowsLinear(packed, child.scale.to(torch.bfloat16).contiguous(), child.in_features,
                                              child.bias))
+        del child
+        trim()
     return len(swaps)
 
 
 def to_int4rows(model: Any) -> int:
     """Swap every convertible int4 linear for an Int4RowsLinear (the kernel must be loaded); returns how many."""
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+    swaps = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
              if convertible(child)]
-    for parent, name, child in swaps:
+    for parent, name in swaps:  # (parent, name) only: each old layer is freed as it is replaced
+        child = getattr(parent, name)
         q, scale, zero, gs = unpack(child.weight)
         setattr(parent, name, Int4RowsLinear(relayout(q, scale, zero, gs), gs, int(child.in_features), child.bias))
+        del child, q, scale, zero
+        trim()
     return len(swaps)

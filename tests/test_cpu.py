@@ -141,6 +141,21 @@ def test_dominant_linear_ignores_attention_and_compiled_regions():
         "kernel.linear": "not visible (compiled region, e.g. a CUDA graph replay)"}
 
 
+def test_output_projection_in_rows8_tiles_is_tagged_apart():
+    """quantizers/rows8.py's layers take the matrix in tiles ([N/4, K/32, 128], [N/16, ...]): no operand has the
+    vocabulary's rows, yet the head is still told apart (the 8B bf16 cell first said 'none found')."""
+    from harness.measure.kernels import dominant_linear
+
+    vocab = 128256
+    events = [("quantbench::gemv16t", 9000.0, 4, [[1, 1, 2048], [vocab // 4, 64, 128]]),  # the head
+              ("quantbench::gemv16t", 40000.0, 448, [[1, 1, 2048], [2048, 64, 128]]),  # the body (8192 rows)
+              ("quantbench::gemv8t", 3000.0, 4, [[1, 1, 2048], [vocab // 16, 512, 64], [vocab]]),
+              ("quantbench::gemv16t", 500.0, 4, [[1, 1, 2048], [vocab // 4, 64, 64]])]  # not gemv16t's tiles
+    got = dominant_linear(events, 4, vocab)
+    assert got["kernel.linear"] == "quantbench::gemv16t" and got["kernel.linear_calls_per_step"] == "113"
+    assert got["kernel.lm_head"] == "quantbench::gemv16t" and got["kernel.lm_head_calls_per_step"] == "1"
+
+
 def test_output_projection_is_tagged_apart_from_the_body_kernel():
     """The Zen 5 case: int kernels so fast that the one bf16 output-projection matmul (vocab 49152) takes
     more self time than all the body's int8 matmuls together; `kernel.linear` must still name the body's."""

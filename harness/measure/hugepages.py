@@ -22,6 +22,8 @@ each huge page), for a ~1% decode gain; the scaling experiments, which measure d
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
 import re
 import sys
@@ -97,6 +99,15 @@ def tensors(model: Any) -> list[torch.Tensor]:
     return [t for t in out if t.device.type == "cpu" and t.numel() > 0]
 
 
+def trim_heap() -> None:
+    """Hand freed heap memory back to the system (glibc's malloc_trim). After a large free, glibc raises its mmap
+    threshold and keeps later freed blocks in its heap, so replacing a model's weights piece by piece (here, and
+    quantizers/rows8.py's re-laid layers) left the old copies counted in the process's memory: an 8B int4 run
+    peaked at 15.0 GB against 7.4 GB estimated, a Llama-3.2-1B int4 model held 0.5-0.9 GB more after the swap."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def move(model: Any, setting: str, device: str) -> Moved:
     """Put the model's CPU weights on huge pages (module docstring); before compile, outside any timing."""
     on, why = resolve(setting, device)
@@ -125,6 +136,8 @@ def move(model: Any, setting: str, device: str) -> Moved:
                 t.set_(new.untyped_storage(), (pos + t.storage_offset() * t.element_size()) // t.element_size(),
                        t.size(), t.stride())
             pos += -(-n // ALIGN) * ALIGN
+            del old
+            trim_heap()  # the old storage is free now: back to the system, not kept beside the copy
     share = huge_share(base.data_ptr() + start, total)
     return Moved(why, share, arena)
 

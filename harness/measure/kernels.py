@@ -50,6 +50,16 @@ def _touches(shapes: Any, dim: int) -> bool:
     return isinstance(shapes, (list, tuple)) and any(_touches(s, dim) for s in shapes)
 
 
+def _head(shapes: Any, vocab: int) -> bool:
+    """Whether an op's operands are the output projection's: a dimension of `vocab` rows, or quantizers/rows8.py's
+    tiles of them (3-D, [vocab/4, K/32, 128] for gemv16t, [vocab/16, ...] for gemv4 and gemv8t)."""
+    if _touches(shapes, vocab):
+        return True
+    tiled = [s for s in (shapes if isinstance(shapes, (list, tuple)) else []) if isinstance(s, (list, tuple))
+             and len(s) == 3 and all(isinstance(d, int) for d in s)]
+    return any((s[0] * 4 == vocab and s[2] == 128) or s[0] * 16 == vocab for s in tiled)
+
+
 def _by_name(events: list[Event]) -> list[tuple[str, float, int]]:
     """Sum rows of one op name (the profiler splits them by operand shape) into (name, us, calls)."""
     acc: dict[str, list[float]] = {}
@@ -79,8 +89,8 @@ def dominant_linear(events: list[Event], steps: int, vocab: int | None = None) -
     time; with `vocab` and shaped rows, the output projection's op apart (`kernel.lm_head`)."""
     total = sum(e[1] for e in events)
     if vocab:
-        head = [e for e in events if len(e) > 3 and _touches(e[3], vocab)]
-        body = [e for e in events if not (len(e) > 3 and _touches(e[3], vocab))]
+        head = [e for e in events if len(e) > 3 and _head(e[3], vocab)]
+        body = [e for e in events if not (len(e) > 3 and _head(e[3], vocab))]
     else:
         head, body = [], events
     found = _dominant(body, total, steps, "kernel.linear", "kernel_linear")
