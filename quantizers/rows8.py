@@ -15,9 +15,10 @@ quantizers/vnni.py says how the numerics stay at fp32's): same host and setup, i
 How it runs: `load()` builds quantizers/rows8.cpp once per torch version with torch's C++ extension builder
 (g++, ~10-25 s; `scripts/setup.sh` builds it ahead) into the cache (`$QUANTBENCH_CACHE/ext`), and loads it as
 the ops `torch.ops.quantbench.gemv16`, `.gemv16t`, `.gemv8`, `.gemv4` and `.gemv8t` (with fake kernels, so
-torch.compile keeps each as one opaque call). Where the CPU has AVX512_BF16, bf16 linears become `Bf16RowsLinear`:
-the matrix in tiles of 4 rows (`gemv16t`, one contiguous stream per thread: 45.5 GB/s against 37.6 for the 8
-row-major rows on 14336 x 4096, Zen 4, 2 threads; rows8.cpp has the rest) for inputs of up to 64 rows. `install(model)` gives every plain 16-bit `nn.Linear` on CPU a forward that sends one-row inputs
+torch.compile keeps each as one opaque call). Where the CPU has AVX512_BF16, bf16 linears become
+`Bf16RowsLinear`: the matrix in tiles of 4 rows (`gemv16t`, one contiguous stream per thread: 45.5 GB/s against
+37.6 for the 8 row-major rows on 14336 x 4096, Zen 4, 2 threads; rows8.cpp has the rest) for inputs of up to 64
+rows. `install(model)` gives every other plain 16-bit `nn.Linear` on CPU a forward that sends one-row inputs
 (a batch-1 decode step) to gemv16, and switches quantizers/int8pack.py's `Int8PackLinear` layers to gemv8 for
 one row; more rows (prefill, scoring, batches) keep the layer's own path, oneDNN's GEMM, ATen's int8 op or
 quantizers/dtype.py's fp32 upcast. With AVX512_VNNI, torchao's int4 linears become `Int4RowsLinear` and the
@@ -39,9 +40,8 @@ import torch
 from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.cache import cache_root
 from harness.errors import QuantbenchError
-from harness.measure.hugepages import trim_heap
 from quantizers.int8pack import Int8PackLinear
-from quantizers.vnni import to_int4rows, to_int8rows
+from quantizers.vnni import swap_layers, to_int4rows, to_int8rows
 
 SOURCE = Path(__file__).with_name("rows8.cpp")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c", "-mfma", "-fopenmp"]
@@ -176,16 +176,8 @@ def to_bf16rows(model: Any, cpu: Any) -> int:
     """Swap every linear `bf16_tiles` takes for a Bf16RowsLinear; returns how many. A head tied to the input
     embedding gets its own tiled copy (the embedding keeps the table: +vocab x hidden x 2 bytes, in the memory
     estimate); an untied layer's old matrix is freed."""
-    # (parent, name) only: a list holding the old layers would keep every old matrix alive until the end, twice
-    # the weights at the peak (the 8B bf16 cells were killed for memory that way); this frees each as it goes
-    swaps = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-             if bf16_tiles(child, cpu)]
-    for parent, name in swaps:
-        child = getattr(parent, name)
-        setattr(parent, name, Bf16RowsLinear(relayout16(child.weight.detach()), child.bias))
-        del child
-        trim_heap()  # the old matrix back to the system, not kept beside its copy
-    return len(swaps)
+    return swap_layers(model, lambda m: bf16_tiles(m, cpu),
+                       lambda m: Bf16RowsLinear(relayout16(m.weight.detach()), m.bias))
 
 
 def install(model: Any) -> int:

@@ -16,6 +16,7 @@ for a prompt, so the quantizer's copy is not kept.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -107,29 +108,35 @@ def convertible(mod: Any) -> bool:
     return n % 64 == 0 and gs % 16 == 0 and k % gs == 0
 
 
+def swap_layers(model: Any, takes: Callable[[Any], bool], build: Callable[[Any], Any]) -> int:
+    """Replace every child module that `takes` accepts with `build(child)`; returns how many. Only (parent, name)
+    pairs are listed up front, and each old layer's memory goes back to the system as soon as it is replaced: a
+    list of the old layers would hold every old matrix until the end, twice the weights at the peak (the 8B bf16
+    cells were killed for memory that way)."""
+    swaps = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if takes(child)]
+    for parent, name in swaps:
+        setattr(parent, name, build(getattr(parent, name)))
+        trim()
+    return len(swaps)
+
+
+def _int8rows(child: Any) -> Int8RowsLinear:
+    return Int8RowsLinear(relayout8(child.qdata), child.scale.to(torch.bfloat16).contiguous(), child.in_features,
+                          child.bias)
+
+
+def _int4rows(child: Any) -> Int4RowsLinear:
+    q, scale, zero, gs = unpack(child.weight)
+    return Int4RowsLinear(relayout(q, scale, zero, gs), gs, int(child.in_features), child.bias)
+
+
 def to_int8rows(model: Any) -> int:
     """Swap every Int8PackLinear whose shape the kernel takes (rows a multiple of 16, columns of 32) for an
     Int8RowsLinear (the kernel must be loaded); returns how many."""
-    swaps = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, Int8PackLinear) and child.out_features % 16 == 0 and child.in_features % 32 == 0]
-    for parent, name in swaps:  # (parent, name) only: each old layer is freed as it is replaced
-        child = getattr(parent, name)
-        packed = relayout8(child.qdata)
-        setattr(parent, name, Int8RowsLinear(packed, child.scale.to(torch.bfloat16).contiguous(), child.in_features,
-                                             child.bias))
-        del child
-        trim()
-    return len(swaps)
+    return swap_layers(model, lambda m: isinstance(m, Int8PackLinear) and m.out_features % 16 == 0
+                       and m.in_features % 32 == 0, _int8rows)
 
 
 def to_int4rows(model: Any) -> int:
     """Swap every convertible int4 linear for an Int4RowsLinear (the kernel must be loaded); returns how many."""
-    swaps = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-             if convertible(child)]
-    for parent, name in swaps:  # (parent, name) only: each old layer is freed as it is replaced
-        child = getattr(parent, name)
-        q, scale, zero, gs = unpack(child.weight)
-        setattr(parent, name, Int4RowsLinear(relayout(q, scale, zero, gs), gs, int(child.in_features), child.bias))
-        del child, q, scale, zero
-        trim()
-    return len(swaps)
+    return swap_layers(model, convertible, _int4rows)

@@ -123,8 +123,7 @@ def rates(dtypes: tuple[torch.dtype, ...], kernel: str, n: int = 4096, mats: int
     mms = {dt: torch.nn.functional.linear for dt in dtypes}
     if kernel == "rows8":  # the kernel a run's layer will use: bf16 in gemv16t's tiles where the CPU takes them
         mms = {dt: rows8.gemv16 for dt in dtypes}
-        if torch.bfloat16 in ws and rows8.bf16_tiles(torch.nn.Linear(n, n, bias=False, dtype=torch.bfloat16),
-                                                    env.cpu_info()):
+        if torch.bfloat16 in ws and "avx512_bf16" in env.cpu_info().flags:  # rows8.bf16_tiles: n x n fits
             ws[torch.bfloat16] = [rows8.relayout16(w) for w in ws[torch.bfloat16]]
             mms[torch.bfloat16] = torch.ops.quantbench.gemv16t
     xs = {dt: torch.randn(1, n).to(dt) for dt in dtypes}
