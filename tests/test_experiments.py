@@ -28,6 +28,9 @@ NARROW = {
     "task_accuracy": ["quantizer=bf16", "accuracy.task_limit=3"],  # the real task files: scripts/setup.sh --tasks
     "scaling": ["size=tiny", "format=int4"],  # the tiny preset of the random model (tests/test_random_model.py)
     "scaling_8b": ["size=tiny", "format=int4_eager"],
+    # CUDA only: on a machine without a GPU the cell is SKIPPED ("needs CUDA") and the sweep exits 1
+    "gpu_scaling": ["size=tiny", "gpu_format=int8"],
+    "gpu_scaling_batch": ["size=tiny", "gpu_format=int4", "strategy.batch_size=4"],
     "serving": ["size=tiny", "format=int4,llama_cpp_q4_0", "load.profile=rates", "load.rates=[20,40]", "load.requests=4",
                 "load.lengths=fixed:16/4", "load.warmup_requests=1"],
 }

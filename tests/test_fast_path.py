@@ -11,7 +11,7 @@ from conftest import FAST
 
 from harness.config import build
 from harness.errors import ConfigError, QuantbenchError
-from harness.measure import fast_path
+from harness.measure import compile_diag, fast_path
 from harness.run import runner
 from quantizers.dtype import Dtype
 from strategies.base import DecodeOptions
@@ -32,9 +32,12 @@ class NotCompilable(Dtype):
 
 
 def test_compile_needs_static_cache_and_a_known_mode(compose):
-    with pytest.raises(ConfigError, match="measure.cache=static"):
-        build(compose([*FAST, "measure.compile=true"]))
-    with pytest.raises(ConfigError, match="compile_mode.*choose one of: default, reduce-overhead"):
+    with pytest.raises(ConfigError, match="measure.cache=static"):  # an explicit dynamic cache is honoured: refused
+        build(compose([*FAST, "measure.compile=true", "measure.cache=dynamic"]))
+    build(compose([*FAST, "measure.compile=true"]))  # cache=auto becomes static (harness/measure/paths.py)
+    with pytest.raises(ConfigError, match="measure.compile='sometimes'.*auto, true, false"):
+        build(compose([*FAST, "measure.compile=sometimes"]))
+    with pytest.raises(ConfigError, match="compile_mode.*choose one of: auto, default, reduce-overhead"):
         build(compose([*FAST, *COMPILED, "measure.compile_mode=fastest"]))
     build(compose([*FAST, *COMPILED, "measure.compile_mode=max-autotune-no-cudagraphs"]))
     with pytest.raises(ConfigError, match="compile_match.*near_tie, strict"):
@@ -198,3 +201,50 @@ def test_packed_gqa_attention_computes_what_sdpa_computes():
         after = prefill_and_step()
     for a, b in zip(before, after, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_graph_breaks_are_counted_per_run_with_the_commonest_reason():
+    def step(x):
+        y = x.sin()
+        print("a graph break")  # noqa: T201 - dynamo cannot trace print: one break per trace
+        return y.cos()
+
+    before = compile_diag.graph_breaks()
+    torch.compile(step, backend="eager")(torch.randn(3))
+    tags = compile_diag.graph_break_tags(before, compile_diag.graph_breaks())
+    assert tags["compile.graph_breaks"] == "1" and tags["compile.graph_break"].startswith("1x ")
+    assert "\n" not in tags["compile.graph_break"]
+    assert compile_diag.graph_break_tags({"a": 2}, {"a": 2, "b": 1}) == {"compile.graph_breaks": "1",
+                                                                       "compile.graph_break": "1x b"}
+    assert compile_diag.graph_break_tags({"a": 2}, {"a": 2}) == {"compile.graph_breaks": "0"}
+
+
+def test_a_compile_that_fails_at_run_time_falls_back_to_eager_only_where_asked(compose, monkeypatch):
+    # auto on CUDA switches measure.compile_fallback on: a format whose step cannot be captured decodes eager,
+    # tagged, instead of failing; without the switch the same failure fails the run
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA graph capture failed:\n  operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fast_path, "prepare", broken)
+    ok = runner.run(compose([*FAST, *COMPILED, *NO_ACC, "measure.compile_fallback=true"]))
+    assert ok.status == "OK", ok.tags.get("error")
+    assert ok.tags["fast_path"] == "eager-fallback" and ok.metrics["decode_tokens_per_s"] > 0
+    assert ok.tags["fast_path.error"] == "CUDA graph capture failed: operation not permitted when stream is capturing"
+    failed = runner.run(compose([*FAST, *COMPILED, *NO_ACC]))
+    assert failed.status == "FAILED" and "capture failed" in failed.tags.get("error", "")
+
+
+def test_graphs_kept_out_of_cuda_graphs_are_counted_with_the_reason():
+    import logging
+
+    def step(x):
+        return (x.sin() + 1).cos()
+
+    with compile_diag.CudagraphSkips() as skips:  # on CPU inductor counts every reduce-overhead graph as skipped
+        torch.compile(step, mode="reduce-overhead")(torch.randn(8))
+        logging.getLogger(compile_diag.CUDAGRAPH_LOG).warning("skipping cudagraphs due to cpu device (arg3_1)\n  more")
+    assert skips.count == 1
+    assert skips.tags() == {"compile.cudagraph_skips": "1",
+                            "compile.cudagraph_skip": "skipping cudagraphs due to cpu device (arg3_1) more"}
+    logging.getLogger(compile_diag.CUDAGRAPH_LOG).warning("after the run")  # the handler is gone
+    assert len(skips.reasons) == 1

@@ -156,3 +156,46 @@ def test_a_run_records_its_path_its_kernel_and_the_kernels_streaming_rate(result
     assert t["measure.path"] == "best" and t["decode_path"] == "eager" and t["decode_path.by"].startswith("no measured")
     assert t["kernel.gemv"] == one_row.gemv_choice("auto", "cpu", env.cpu_info())[0] and t["kernel.gemv_by"]
     assert m["kernel_stream_gb"] > 0 and m["kernel_stream_gbps"] > 0
+
+
+def test_auto_on_cuda_is_static_cache_and_cuda_graphs_and_says_so(zen4):
+    # issue #29 item 4: eager decode on a GPU measures Python launch, so auto there compiles with CUDA graphs
+    exp = _exp("quantizer=fp16", "measure.device=cuda")
+    choice = paths.settle(exp, "cuda")
+    m = exp.measure
+    assert (m.compile, m.cache, m.compile_mode, choice.path) == (True, "static", "reduce-overhead", "compiled")
+    assert choice.tags()["measure.auto"] == "cuda: static cache + torch.compile reduce-overhead (CUDA graphs)"
+    assert m.compile_fallback  # a capture that fails at run time decodes eager (tag fast_path), not FAILED
+
+
+def test_auto_on_cpu_keeps_todays_defaults(zen4):
+    tiny = build(compose(["model=tiny_random", "quantizer=bf16"]))
+    choice = paths.settle(tiny, "cpu")
+    m = tiny.measure
+    assert (m.compile, m.cache, m.compile_mode, choice.path) == (False, "dynamic", "default", "eager")
+    assert choice.tags()["measure.auto"].startswith("cpu: eager unless measure.path=best")
+    assert paths.settle(_exp("quantizer=bf16"), "cpu").path == "compiled"  # the measured row still decides
+
+
+@pytest.mark.parametrize("overrides, path, compile_, cache", [
+    (["measure.compile=false"], "eager", False, "dynamic"),
+    (["measure.cache=dynamic"], "eager", False, "dynamic"),
+    (["measure.path=eager"], "eager", False, "dynamic"),
+    (["measure.compile_mode=default"], "compiled", True, "static"),
+])
+def test_an_explicit_value_is_honoured_on_cuda(zen4, overrides, path, compile_, cache):
+    exp = _exp("quantizer=fp16", "measure.device=cuda", *overrides)
+    choice = paths.settle(exp, "cuda")
+    assert (choice.path, exp.measure.compile, exp.measure.cache) == (path, compile_, cache)
+    if "measure.compile_mode=default" in overrides:
+        assert exp.measure.compile_mode == "default"
+
+
+def test_auto_on_cuda_falls_back_to_eager_with_the_reason(zen4, caplog):
+    exp = _exp("quantizer=fp16", "measure.device=cuda", "measure.context_depth=16")
+    choice = paths.settle(exp, "cuda")
+    assert choice.path == "eager" and exp.measure.compile is False and exp.measure.cache == "dynamic"
+    assert choice.tags()["measure.auto"] == "cuda: eager (measure.context_depth needs the eager step)"
+    assert "decoding eager" in caplog.text
+    spec = build(compose(["model=tiny_random", "quantizer=fp16", "measure.device=cuda", "strategy=speculative"]))
+    assert "runs its own loop" in paths.settle(spec, "cuda").tags()["measure.auto"]

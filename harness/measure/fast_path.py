@@ -295,11 +295,27 @@ def prepare(exp: Any, model: Any, opts: Any, batches: list[list[list[int]]], pat
     if path != "compiled":
         return None
     m = exp.measure
-    fast = FastPath(model, device=opts.device, max_cache_len=max_cache_len(batches, opts.max_new_tokens),
-                    mode=m.compile_mode, freezing=m.compile_freezing, backend=m.compile_backend,
-                    cpp_wrapper=m.compile_cpp_wrapper, skip_guards=m.compile_skip_guards)
-    compile_warmup(exp.strategy, model, batches, opts, fast)
+    flags = quantizer_inductor(exp.quantizer, opts.device)
+    with torch._inductor.config.patch(flags):  # dynamo compiles lazily: in the warmup's first calls
+        fast = FastPath(model, device=opts.device, max_cache_len=max_cache_len(batches, opts.max_new_tokens),
+                        mode=m.compile_mode, freezing=m.compile_freezing, backend=m.compile_backend,
+                        cpp_wrapper=m.compile_cpp_wrapper, skip_guards=m.compile_skip_guards)
+        fast.inductor = flags
+        compile_warmup(exp.strategy, model, batches, opts, fast)
     return fast
+
+
+def quantizer_inductor(quantizer: Any, device: str) -> dict[str, Any]:
+    """The torch._inductor.config flags `quantizer`'s kernels need (its optional `inductor_config`, quantizers/base.py).
+    `prepare` patches them in around this run's compile only: torchao sets them process-wide, which leaked into every
+    later compile of a sweep (an fp16 baseline after an int8 cell compiled differently from one before it)."""
+    import torch._inductor.config  # noqa: F401 - `prepare` patches it; `import torch` alone may not load it
+
+    hook = getattr(quantizer, "inductor_config", None)
+    flags = dict(hook(device) or {}) if hook is not None else {}
+    if flags:
+        log.info("inductor flags for this compile (tag compile.inductor): %s", flags)
+    return flags
 
 
 def compile_warmup(strategy: Any, model: Any, batches: list[list[list[int]]], opts: Any, fast: FastPath) -> None:

@@ -14,6 +14,10 @@ of a small model, so a single "dominant op" would read `aten::mm` and tell a rea
 to a dequantized path when it did not. Ops are told apart by shape: the output projection's operands
 carry the vocabulary dimension (the output embedding's row count), which no body layer has. A strategy that never calls the hook (its own loop) is profiled whole, prefill
 included (tag `kernel.profiled=whole generation`).
+
+On a CUDA model the same pass also records CUDA activity, and the tags come from the device kernels instead
+(harness/measure/cuda_kernels.py): a compiled step replays a CUDA graph, so no ATen op shows on the host, but
+CUPTI records the kernels the replay runs (`kernel.device=cuda`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import contextlib
 import dataclasses
 import logging
 from typing import Any
+
+from harness.measure import cuda_kernels, sync
 
 # torch.profiler is imported where used: only a profiled run needs it (tests/test_layout.py, LAZY_OK).
 
@@ -108,16 +114,27 @@ def vocab_rows(model: Any) -> int | None:
     return getattr(getattr(model, "config", None), "vocab_size", None)
 
 
+def model_device(model: Any) -> str:
+    """The device type of the model's first parameter ("cpu" without any)."""
+    params = model.parameters() if hasattr(model, "parameters") else iter(())
+    first = next(iter(params), None)
+    return first.device.type if first is not None else "cpu"
+
+
 def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
                    tokens: int = PROFILE_TOKENS) -> tuple[dict[str, str], dict[str, float]]:
     """Profile `tokens` decode steps of one generation of `batch`; returns (tags, metrics)."""
     from torch.profiler import ProfilerActivity, profile
 
-    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    on_cuda = model_device(model).startswith("cuda")
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
+    prof = profile(activities=activities, record_shapes=True)
     state = {"started": False, "steps": 0}
 
     def choose(logits: Any, index: int) -> Any:
         if index == 0 and not state["started"]:  # the prefill forward is done: decode steps from here
+            if on_cuda:  # the prefill's kernels may still run: let them finish outside the profiled steps
+                sync("cuda")
             prof.start()
             state["started"] = True
         elif state["started"]:
@@ -141,11 +158,16 @@ def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
             prof.stop()
         log.warning("kernel profile failed: %s", exc)
         return {"kernel.linear": f"profile failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"}, {}
-    events = [(e.key, float(e.self_cpu_time_total), int(e.count), e.input_shapes)
-              for e in prof.key_averages(group_by_input_shape=True)]
     if log.isEnabledFor(logging.DEBUG):  # the whole profile table: run.py ... hydra.verbose=quantbench
-        log.debug("decode-step profile:\n%s", prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    found = dominant_linear(events, state["steps"] or tokens, vocab_rows(model))
+        by = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+        log.debug("decode-step profile:\n%s", prof.key_averages().table(sort_by=by, row_limit=20))
+    if on_cuda:  # the device kernels name the linear layers' kernel, graph replays included
+        found = cuda_kernels.dominant_cuda_kernel(cuda_kernels.device_rows(prof.key_averages()),
+                                                  state["steps"] or tokens)
+    else:
+        events = [(e.key, float(e.self_cpu_time_total), int(e.count), e.input_shapes)
+                  for e in prof.key_averages(group_by_input_shape=True)]
+        found = dominant_linear(events, state["steps"] or tokens, vocab_rows(model))
     tags = {k: v for k, v in found.items() if k.startswith("kernel.")}
     tags["kernel.profiled"] = "whole generation" if whole else f"{state['steps'] or tokens} decode steps"
     metrics = {k: v for k, v in found.items() if not k.startswith("kernel.")}

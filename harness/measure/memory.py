@@ -212,7 +212,7 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
         parts["accuracy logits"] = acc.context_length * counts.vocab * 4.0 * 3
         if acc.kl:
             phases["reference"] = counts.params * DTYPE_BYTES.get(acc.reference_dtype, 4) + parts["accuracy logits"]
-    if exp.measure.compile and exp.measure.compile_freezing and not device.startswith("cuda"):
+    if exp.measure.compile is True and exp.measure.compile_freezing and not device.startswith("cuda"):
         # inductor freezing folds the weights into new constant tensors (prepacked where oneDNN takes them)
         # beside the module's own parameters: a second copy (harness/measure/paths.py)
         parts["freezing copy"] = parts["weights"]

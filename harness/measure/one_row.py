@@ -83,8 +83,10 @@ def _matrices(model: Any) -> list[tuple[Any, int, int]]:
 
 
 @torch.inference_mode()
-def stream_rate(model: Any, dtype: torch.dtype, device: str, gemv_aten: bool, repeats: int = 3) -> dict[str, float]:
-    """Metrics `kernel_stream_gbps` / `_ms` / `_gb`: each weight matrix once at one row (module docstring)."""
+def stream_rate(model: Any, dtype: torch.dtype, device: str, gemv_aten: bool, repeats: int = 3,
+                wall_ms: float | None = None) -> dict[str, float]:
+    """Metrics `kernel_stream_gbps` / `_ms` / `_gb`: each weight matrix once at one row (module docstring).
+    `wall_ms`: the pass's wall clock where it was just measured (harness/measure/floor.py's eager pass on CPU)."""
     mats = _matrices(model)
     if not mats:
         return {}
@@ -102,7 +104,7 @@ def stream_rate(model: Any, dtype: torch.dtype, device: str, gemv_aten: bool, re
 
     with gemv_off_onednn(gemv_aten and device.startswith("cpu")):
         one_pass()  # first touch, kernel selection
-        wall = statistics.median(one_pass() for _ in range(repeats))
+        wall = wall_ms / 1e3 if wall_ms else statistics.median(one_pass() for _ in range(repeats))
         # the kernels' own time: the self time of the matmul ops, without the Python and dispatch around them
         # (a tensor subclass's unwrapping costs ~50-100 us per call on 2 cores: 10 ms over a 1B model's 113 calls)
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -89,10 +89,11 @@ class Choice:
     gemv: str
     gemv_by: str
     requested: str
+    auto: str = ""  # what measure.compile/cache/compile_mode=auto became (`resolve_auto`)
 
     def tags(self) -> dict[str, str]:
         return {"measure.path": self.requested, "decode_path": self.path, "decode_path.by": self.by,
-                "kernel.gemv": self.gemv, "kernel.gemv_by": self.gemv_by}
+                "kernel.gemv": self.gemv, "kernel.gemv_by": self.gemv_by, "measure.auto": self.auto}
 
 
 def format_class(quantizer: Any) -> str:
@@ -150,6 +151,46 @@ def blocker(path: str, exp: Any, device: str, avail: float | None = None) -> str
     return ""
 
 
+def resolve_auto(exp: Any, device: str) -> str:
+    """Replace `measure.compile/cache/compile_mode=auto` by what they mean on `device`; returns tag `measure.auto`.
+
+    On CUDA an eager decode step is host launch time: the 135M model and the 8B shape both took ~19 ms per
+    eager step on an H200, while the compiled 8B step with CUDA graphs took 6.7 ms (docs/gpu.md). So auto on
+    CUDA is the path that shows the bytes: static cache + torch.compile in mode reduce-overhead (one graph
+    replay per step). A run that cannot take it (a quantizer that cannot compile, a strategy with its own
+    loop, measure.context_depth) stays eager with a one-line warning and says why in the tag. On CPU auto is
+    eager with a dynamic cache, and `measure.path=best` (`settle`) picks the measured best path per CPU.
+    An explicit true/false/static/dynamic/mode is never changed.
+    """
+    m = exp.measure
+    cuda = device.startswith("cuda")
+    asked = {k: getattr(m, k) for k in ("compile", "cache", "compile_mode")}
+    if m.compile_mode == "auto":
+        m.compile_mode = "reduce-overhead" if cuda else "default"
+    tag = ""
+    if cuda and m.compile == "auto" and m.cache != "dynamic" and m.path == "best":
+        why = blocker("compiled", exp, device) or (
+            "measure.context_depth needs the eager step" if m.context_depth else "")
+        if why:
+            m.compile = False
+            tag = f"cuda: eager ({why})"
+            log.warning("measure.compile=auto on CUDA: %s; decoding eager", why)
+        else:
+            m.compile = True
+            m.compile_fallback = True  # a run-time capture failure falls back to eager (tag fast_path) too
+            tag = f"cuda: static cache + torch.compile {m.compile_mode}" + (
+                " (CUDA graphs)" if m.compile_mode == "reduce-overhead" else "")
+    if m.compile == "auto":
+        m.compile = False
+        tag = tag or (f"{device.split(':')[0]}: eager unless measure.path=best picks a compiled path" if
+                      m.path == "best" else f"measure.path={m.path}")
+    if m.cache == "auto":
+        m.cache = "static" if m.compile is True else "dynamic"
+    if not any(v == "auto" for v in asked.values()):
+        return "off (explicit measure.compile/cache/compile_mode)"
+    return tag or f"compile={str(m.compile).lower()} cache={m.cache} mode={m.compile_mode}"
+
+
 def settle(exp: Any, device: str) -> Choice:
     """Resolve `measure.path` and `measure.gemv` for this run, set the measure knobs that implement them,
     and remember the choice on `exp` (idempotent: run.py and the runner both call it)."""
@@ -157,10 +198,13 @@ def settle(exp: Any, device: str) -> Choice:
     if done is not None:
         return done
     m = exp.measure
+    auto = resolve_auto(exp, device)
     cpu = env.cpu_info()
     gemv, gemv_by = gemv_choice(m.gemv, device, cpu)
     requested = m.path
-    if m.compile:  # the low-level switches were set by hand: they win, and say so
+    if m.compile is True and auto.startswith("cuda: static"):
+        choice = Choice("compiled", f"measure.compile=auto on {device}: {auto}", gemv, gemv_by, requested)
+    elif m.compile is True:  # the low-level switches were set by hand: they win, and say so
         path = "freezing" if m.compile_freezing else "compiled"
         choice = Choice(path, "measure.compile=true", gemv, gemv_by, requested)
     elif requested != "best":
@@ -190,5 +234,6 @@ def settle(exp: Any, device: str) -> Choice:
         m.cache, m.compile = "static", True
         m.compile_freezing = choice.path == "freezing"
         m.compile_skip_guards = True  # safe on this path (docs/fast_path.md); compiled_match re-checks the tokens
+    choice.auto = auto
     exp.decode_choice = choice
     return choice

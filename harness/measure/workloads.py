@@ -139,11 +139,11 @@ def check(model: Any, measure: Any, strategy: Any = None, tokenizer: Any = None)
         raise QuantbenchError(f"measure.context_depth={depth} is not supported by strategy {strategy.name} (it runs "
                               "its own cache); use a strategy that runs strategies/decode.py's loop (strategy=greedy, "
                               "static_batch) or measure.context_depth=0")
-    if depth and measure.compile:
+    if depth and measure.compile is True:
         raise QuantbenchError("measure.context_depth with measure.compile=true is not supported (the compiled "
                               "path sizes its static cache from the prompts); drop one of them")
     limits = [lim or measure.max_new_tokens for lim in src.limits]
-    if measure.compile and len(set(limits)) > 1:
+    if measure.compile is True and len(set(limits)) > 1:
         raise QuantbenchError(f"measure.prompts={measure.prompts}: per-prompt max_new_tokens with "
                               "measure.compile=true is not supported (the compiled output is checked against "
                               "eager at one length); give every prompt the same length or drop compile")

@@ -21,7 +21,7 @@ import logging
 import sys
 from pathlib import Path
 
-from harness.analysis import crossover, figures, frontier, frontier_plot, scaling, task_accuracy
+from harness.analysis import crossover, figures, frontier, frontier_plot, gpu_scaling, scaling, task_accuracy
 from harness.analysis.roofline import roofline_plot
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
@@ -180,11 +180,12 @@ def write_report(folder: Path, cells: list[dict], baseline: str = "none", title:
     md = folder / "report.md"
     md.write_text(markdown(rows, baseline, title) + frontier.section(rows, baseline, probes)
                   + task_accuracy.section(rows) + bench_table(rows) + crossover.section(rows, baseline)
-                  + scaling.section(rows) + serving.section(rows))
+                  + scaling.section(rows) + gpu_scaling.section(rows) + serving.section(rows))
     paths = [md, plot(rows, folder / "report.png", title)]
     paths += frontier_plot.write(folder, rows, baseline, title, probes)  # two or more formats: the frontier figure
     paths += crossover.write(folder, rows, baseline, title)  # cells varying batch size / context depth
     paths += scaling.write(folder, rows, title)  # cells spanning model sizes (harness/analysis/scaling.py)
+    paths += gpu_scaling.write(folder, rows, title)  # CUDA cells of model shapes (harness/analysis/gpu_scaling.py)
     paths += serving.write(folder, rows, title)  # load runs: latency against throughput (harness/load/report.py)
     bound = [{"label": r["cell"], "decode_tokens_per_s": _num(r["metrics"], HEADLINE),
               "roofline_tokens_per_s": _num(r["metrics"], "roofline_tokens_per_s")}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,13 @@ from typing import Any
 from harness import measure, third_party_output
 from harness.analysis import accuracy, roofline, task_accuracy
 from harness.config import Experiment
-from harness.measure import fast_path, hugepages, kernels, memory, one_row, paths, workloads
+from harness.measure import compile_diag, fast_path, floor, hugepages, kernels, memory, one_row, paths, workloads
 from harness.measure.workloads import encode_prompts  # noqa: F401 - re-exported (benchmarks, tests)
 from harness.run.hooks import Outcome, Record, Session
-from quantizers import rows8
+from quantizers import gpu_paths, rows8
 from strategies.decode import DepthContext
 
+log = logging.getLogger("quantbench")
 __all__ = ["Outcome", "TransformersEngine", "TransformersSession", "encode_prompts"]
 
 
@@ -104,8 +106,25 @@ class TransformersSession(Session):
         self.decoding = True
         path = fast_path.preflight(exp, self.device)  # compiled | eager | eager-fallback
         tags = {"fast_path": path, **paths.settle(exp, self.device).tags()}
-        self.fast = fast_path.prepare(exp, self.model, opts, batches, path)  # compiles (untimed: metric compile_s)
+        breaks = compile_diag.graph_breaks()
+        skips = compile_diag.CudagraphSkips()
+        try:
+            with skips:
+                self.fast = fast_path.prepare(exp, self.model, opts, batches, path)  # compiles (untimed: compile_s)
+        except Exception as exc:  # noqa: BLE001 - only where asked (measure.compile_fallback, on under auto on CUDA)
+            if path != "compiled" or not exp.measure.compile_fallback or isinstance(exc, MemoryError) or \
+                    type(exc).__name__ == "OutOfMemoryError":
+                raise
+            why = " ".join(str(exc).split())[:300] or type(exc).__name__
+            log.warning("the compiled decode step failed (%s); decoding eager (measure.compile_fallback=true)", why)
+            opts.fast_path, self.fast = None, None
+            return {}, {**tags, "fast_path": "eager-fallback", "fast_path.error": why}
         if self.fast is not None:
+            tags.update(compile_diag.graph_break_tags(breaks, compile_diag.graph_breaks()))
+            if getattr(self.fast, "inductor", None):  # the quantizer's inductor flags this compile ran with
+                tags["compile.inductor"] = gpu_paths.inductor_tag(self.fast.inductor)
+            if self.fast.cudagraphs:  # reduce-overhead on CUDA: did every compiled graph become a CUDA graph?
+                tags.update(skips.tags())
             tags["fast_path.attention"] = ("sdpa, packed GQA" if self.fast.packed_gqa
                                            else self.model.config._attn_implementation)
         return {}, tags
@@ -127,8 +146,17 @@ class TransformersSession(Session):
     def kernel_profile(self, batch: list[list[int]], opts: Any, log_file: Path) -> Record:
         with third_party_output(log_file):  # kineto prints USDT profiler_start/stop lines from C++
             tags, metrics = kernels.profile_linear(self.exp.strategy, self.model, batch, opts)
+            # the floor row: the model's own linears once at one row, one CUDA graph on a GPU (harness/measure/floor.py)
+            compiled = self.fast is not None and self.device.startswith("cuda") and \
+                getattr(memory.backend_of(self.exp.quantizer), "quantizes", False)
+            fl_metrics, fl_tags = floor.linear_floor(self.model, self.model.dtype, self.device, opts.gemv_aten,
+                                                     inductor=getattr(self.fast, "inductor", {}) if compiled else None)
+            metrics.update(fl_metrics)
+            tags.update(fl_tags)
+            cpu_wall = fl_metrics.get("linear_floor_ms") if self.device.startswith("cpu") else None  # one pass on CPU
             # the kernel's own streaming rate: every weight matrix once at one row (harness/measure/one_row.py)
-            metrics.update(one_row.stream_rate(self.model, self.model.dtype, self.device, opts.gemv_aten))
+            metrics.update(one_row.stream_rate(self.model, self.model.dtype, self.device, opts.gemv_aten,
+                                               wall_ms=cpu_wall))
         return metrics, tags
 
     def end_decoding(self) -> None:

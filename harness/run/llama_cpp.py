@@ -157,7 +157,7 @@ class LlamaCppEngine:
         if strategy is not None and (not strategy.supports_llama_cpp or strategy.batch_size != 1):
             raise QuantbenchError(f"engine=llama_cpp decodes greedily at batch 1; strategy={strategy.name} is not "
                                   "supported: use strategy=greedy")
-        if measure is not None and (measure.compile or measure.cache != "dynamic"):
+        if measure is not None and (measure.compile is True or measure.cache == "static"):
             raise QuantbenchError("engine=llama_cpp has its own kernels and KV cache: measure.compile and "
                                   "measure.cache=static apply to engine=transformers only")
         if measure is not None and model is not None:

@@ -31,7 +31,7 @@ from harness import measure, run_log, third_party_output
 from harness.analysis import roofline, task_accuracy
 from harness.config import Experiment
 from harness.errors import QuantbenchError
-from harness.measure import Generation, memory, workloads
+from harness.measure import Generation, floor, memory, workloads
 from harness.measure.energy import EnergyMeter
 from harness.measure.prompts import parse
 from harness.models import load_tokenizer
@@ -180,6 +180,8 @@ class Pipeline:
         if m.kernel_profile:  # which linear kernel really ran (tag kernel.linear), outside the timing
             first = self.batches[0]
             self._add(self.session.kernel_profile(first, self.opts_for(first), self.log_file))
+            # the step against its floor row: linear layers' share and the rest (harness/measure/floor.py)
+            self._add(floor.floor_report(floor.decode_step_ms(metrics), metrics.get("linear_floor_ms")))
         self.end_decoding()
         metrics["peak_mem_mb"] = measure.peak_memory_mb(self.device)
         self.roofline(gens)  # after peak memory: the first bandwidth measurement allocates ~1 GB

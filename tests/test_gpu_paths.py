@@ -1,0 +1,256 @@
+"""The format-path table per GPU architecture (quantizers/gpu_paths.py) and what it is wired into, on a machine
+without a GPU: the compute capability and package availability are injected (monkeypatched), no model loads on
+CUDA. Checked: every row builds into a valid quantizer whose inductor flags are the row's; the per-arch picks
+(sm_80 vs sm_90 differ for int4 only); the fallback when mslk is missing, with its reason; `quantizer=int4` /
+`quantizer=int8` on a faked sm_90 resolve to the table's path and tag it; the mslk kernels' refusals; GPTQ's kernel
+on CUDA; synthetic calibration of random-weight shapes (deterministic per seed, bounded by the vocabulary, seed in
+the cache key, a tiny GPTQ run on CPU) and that accuracy on random weights is still refused; that a quantizer's
+inductor flags are in force while fast_path compiles and gone after; the docs table is the module's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import FAST
+
+from harness.errors import ConfigError, QuantbenchError, Unsupported
+from harness.measure import fast_path
+from harness.models.random_model import IdTokenizer, RandomModel
+from quantizers import gpu_paths
+from quantizers.auto import CONF_DIR, build_named
+from quantizers.gptq import GPTQModelQuantizer, synthetic_calibration
+from quantizers.torchao import TorchAoInt4, TorchAoInt8
+
+ROOT = Path(__file__).resolve().parent.parent
+H100, A100 = (9, 0), (8, 0)
+
+
+def _gpu(monkeypatch, capability, installed=("mslk",)):
+    """Fake a CUDA device of `capability` with the extra packages in `installed` (others as they are here)."""
+    real = gpu_paths.importable
+    monkeypatch.setattr(gpu_paths, "device_capability", lambda device: capability if device.startswith("cuda")
+                        else None)
+    monkeypatch.setattr(gpu_paths, "importable", lambda p: p in installed or (p not in ("mslk", "gemlite") and real(p)))
+
+
+@pytest.mark.parametrize("key", sorted(gpu_paths.TABLE), ids=lambda k: f"{k[0]}@{k[1]}")
+def test_every_row_builds_a_valid_quantizer_with_the_rows_flags(key):
+    for path in gpu_paths.TABLE[key]:
+        assert (CONF_DIR / f"{path.quantizer}.yaml").is_file(), path.quantizer
+        q = build_named(path.quantizer, path.overrides)
+        for k, v in path.overrides.items():
+            assert getattr(q, k) == v
+        assert q.inductor_config("cuda") == path.inductor, path.label  # what the table says reaches the compile
+        assert path.source and path.compile_mode in ("default", "reduce-overhead", "max-autotune")
+
+
+def test_table_covers_every_format_and_arch_and_never_dead_ends():
+    assert set(gpu_paths.TABLE) == {(f, a) for f in gpu_paths.FORMATS for a in gpu_paths.ARCHS}
+    for key, rows in gpu_paths.TABLE.items():
+        assert rows and not rows[-1].package, f"{key}: the last row must need no extra package"
+    with pytest.raises(KeyError, match="formats: fp16"):
+        gpu_paths.path_for("int3", H100)
+
+
+def test_gpu_arch_classes():
+    cases = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 7): "sm_86", (8, 9): "sm_89", (9, 0): "sm_90",
+             (10, 0): "sm_100", (12, 0): "sm_100", (7, 5): "fallback", (7, 0): "fallback", None: "fallback"}
+    for cap, arch in cases.items():
+        assert gpu_paths.gpu_arch(cap) == arch, cap
+
+
+def test_per_arch_picks():
+    def pick(fmt, cap):
+        return gpu_paths.path_for(fmt, cap, lambda p: True).path.label
+
+    # int4: torchao's own rule packs preshuffled (mslk) on sm >= 90, tinygemm below
+    assert pick("int4", H100) == pick("int4", (10, 0)) == "torchao_int4 kernel=preshuffled group_size=128"
+    assert pick("int4", A100) == pick("int4", (8, 9)) == "torchao_int4 kernel=tinygemm"
+    assert pick("int4", (7, 5)) == "bnb_nf4"  # tinygemm needs sm_80
+    # int8: the same fused path everywhere; GPTQ/AWQ through Marlin from sm_80
+    assert pick("int8", H100) == pick("int8", A100) == "torchao_int8 kernel=fused"
+    assert pick("gptq_int4", A100) == pick("gptq_int4", H100) == "gptq_int4 kernel=gptq_marlin"
+    assert pick("awq_int4", H100) == "awq_int4 kernel=awq_marlin"
+    assert pick("gptq_int4", (7, 5)) == "gptq_int4 kernel=auto"
+
+
+def test_missing_package_falls_back_with_its_reason():
+    choice = gpu_paths.path_for("int4", H100, lambda p: p != "mslk")
+    assert choice.path.label == "torchao_int4 kernel=tinygemm"
+    assert choice.tags() == {"gpu.arch": "sm_90", "quantizer.gpu_path": "torchao_int4 kernel=tinygemm",
+                             "quantizer.gpu_path_by": "gpu path table int4 @ sm_90 row 2 (sm_90); skipped "
+                             "torchao_int4 kernel=preshuffled group_size=128 needs mslk (pip install mslk-cuda==1.1.0)"}
+    assert gpu_paths.path_for("int4", H100, lambda p: True).by == "gpu path table int4 @ sm_90 row 1 (sm_90)"
+
+
+def test_kernel_tag_matching():
+    rows = {p.label: p for rows in gpu_paths.TABLE.values() for p in rows}
+    assert rows["torchao_int4 kernel=tinygemm"].kernel_matches("at::native::tinygemm_m16n8k16_chunk_kernel")
+    fused = rows["torchao_int8 kernel=fused"]
+    assert fused.kernel_matches("triton_red_fused__to_copy_mm_mul_0") and not fused.kernel_matches("gemv2T_kernel_val")
+    assert rows["gptq_int4 kernel=gptq_marlin"].kernel_matches("Marlin")
+
+
+def _auto(compose, name, compiled=False):
+    from harness.config import build
+
+    extra = ["measure.cache=static", "measure.compile=true"] if compiled else []
+    return build(compose(FAST + [f"quantizer={name}", "tracking.enabled=false"] + extra)).quantizer
+
+
+def test_int4_on_a_faked_h100_takes_the_tables_path_and_tags_it(compose, monkeypatch):
+    _gpu(monkeypatch, H100)
+    q = _auto(compose, "int4", compiled=True)
+    q.preflight("cuda")
+    assert type(q.resolved) is TorchAoInt4 and (q.resolved.kernel, q.resolved.group_size) == ("preshuffled", 128)
+    assert q.backend == "torchao.int4_preshuffled" and q.resolved.load_dtype("float16") == "bfloat16"
+    q.resolved.load = lambda *a, **k: SimpleNamespace()  # no model: only the tags of Auto.load are checked
+    q.resolved.last_tags = {}
+    q.load(None, tokenizer=None, device="cuda", experiment=None)
+    assert q.last_tags["gpu.arch"] == "sm_90"
+    assert q.last_tags["quantizer.gpu_path"] == "torchao_int4 kernel=preshuffled group_size=128"
+    assert q.last_tags["compile.inductor"] == gpu_paths.inductor_tag(gpu_paths.TORCHAO_INDUCTOR)
+
+
+def test_int4_without_mslk_and_on_an_a100_takes_tinygemm(compose, monkeypatch):
+    for cap, installed in ((H100, ()), (A100, ("mslk",))):
+        _gpu(monkeypatch, cap, installed)
+        q = _auto(compose, "int4")
+        q.preflight("cuda")
+        assert (q.resolved.kernel, q.resolved.group_size) == ("tinygemm", 64), cap
+        q.resolved.load = lambda *a, **k: SimpleNamespace()
+        q.resolved.last_tags = {}
+        q.load(None, tokenizer=None, device="cuda", experiment=None)
+        assert "compile.inductor" not in q.last_tags  # an eager run: no compile, no flags to record
+    assert "skipped" not in q.last_tags["quantizer.gpu_path_by"]
+
+
+def test_int8_on_a_faked_gpu_is_the_fused_path(compose, monkeypatch):
+    _gpu(monkeypatch, H100)
+    q = _auto(compose, "int8")
+    q.preflight("cuda")
+    assert type(q.resolved) is TorchAoInt8 and q.resolved.kernel == "fused"
+    assert q.backend == "torchao.int8_weight_only+fused"
+    assert q.inductor_config("cuda") == gpu_paths.TORCHAO_INDUCTOR
+
+
+def test_torchao_cuda_kernels_keep_their_flags_out_of_the_process():
+    """The CUDA kernels quantize with set_inductor_config=False (flags through inductor_config, per compile);
+    kernel=torchao keeps torchao's own behaviour (the path issue #29 measured)."""
+    fused, own = TorchAoInt8(), TorchAoInt8(kernel="torchao")
+    assert fused.from_pretrained_kwargs("cuda")["quantization_config"].quant_type.set_inductor_config is False
+    assert own.from_pretrained_kwargs("cuda")["quantization_config"].quant_type.set_inductor_config is True
+    assert own.inductor_config("cuda") == {} and fused.inductor_config("cpu") == {}  # cpu: int8pack
+    cfg = TorchAoInt4(kernel="preshuffled", group_size=128).from_pretrained_kwargs("cuda")["quantization_config"]
+    assert (cfg.quant_type.int4_packing_format, cfg.quant_type.set_inductor_config) == ("preshuffled", False)
+
+
+def test_mslk_kernels_refuse_in_one_line(monkeypatch):
+    with pytest.raises(ConfigError, match="group_size=64 is not allowed with quantizer.kernel=preshuffled.*128, 256"):
+        TorchAoInt4(kernel="preshuffled", group_size=64)
+    q = TorchAoInt4(kernel="preshuffled", group_size=128)
+    with pytest.raises(Unsupported, match="needs CUDA: .*kernel=preshuffled"):
+        q.preflight("cpu")
+    _gpu(monkeypatch, H100, installed=())
+    with pytest.raises(QuantbenchError, match=r"needs the mslk package.*pip install mslk-cuda==1.1.0"):
+        q.preflight("cuda")
+    _gpu(monkeypatch, (8, 6))
+    with pytest.raises(Unsupported, match="needs sm_90\\+.*this GPU is sm_86; use quantizer.kernel=tinygemm"):
+        q.preflight("cuda")
+    TorchAoInt4(kernel="plain", group_size=128).preflight("cuda")  # plain: any GPU mslk runs on
+    with pytest.raises(Unsupported, match="needs CUDA: quantizer torchao_int8 kernel=fused"):
+        TorchAoInt8(kernel="fused").preflight("cpu")
+
+
+def test_gptq_kernel_auto_on_cuda_follows_the_table(monkeypatch):
+    for method, cap, kernel in (("gptq", H100, "gptq_marlin"), ("gptq", A100, "gptq_marlin"), ("rtn", H100,
+                                "gptq_marlin"), ("awq", H100, "awq_marlin"), ("gptq", (7, 5), "auto")):
+        _gpu(monkeypatch, cap)
+        q = GPTQModelQuantizer(method=method)
+        q.preflight("cuda")
+        assert q._kernel("cuda") == kernel, (method, cap)
+    assert GPTQModelQuantizer()._kernel("cpu") == "gptq_torch_int8"
+
+
+def test_synthetic_calibration_is_seeded_and_bounded():
+    a, b = synthetic_calibration(512, 4, 32, 0), synthetic_calibration(512, 4, 32, 1)
+    assert a == synthetic_calibration(512, 4, 32, 0) and a != b
+    assert len(a) == 4 and all(len(s["input_ids"]) == 32 and s["attention_mask"] == [1] * 32 for s in a)
+    ids = [i for s in synthetic_calibration(7, 50, 40, 3) for i in s["input_ids"]]
+    assert min(ids) >= 0 and max(ids) < 7 and len(set(ids)) == 7  # uniform over the whole vocabulary
+
+
+def test_random_shape_calibration_digest_names_the_seed_and_splits_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    source, tok = RandomModel(arch="tiny"), IdTokenizer(512, 1, 2, None)
+    dirs = []
+    for seed in (0, 0, 5):
+        q = GPTQModelQuantizer(calibration_samples=2, calibration_length=8, calibration_seed=seed)
+        samples, digest, overlap = q.calibration(tok)
+        assert digest.startswith(f"synthetic-seed{seed}-") and not overlap and len(samples) == 2
+        dirs.append(q.cache_dir(source, digest))
+    assert dirs[0] == dirs[1] != dirs[2]
+    with pytest.raises(ConfigError, match="calibration_seed=-1"):
+        GPTQModelQuantizer(calibration_seed=-1)
+
+
+def test_accuracy_on_random_weights_is_still_refused(compose):
+    from harness.config import build
+
+    with pytest.raises(QuantbenchError, match="random weights: perplexity and KL on them mean nothing"):
+        build(compose(["model=random", "model.arch=tiny", "quantizer=gptq_int4", "accuracy.enabled=true",
+                       "tracking.enabled=false"]))
+
+
+@pytest.mark.slow
+def test_gptq_quantizes_a_random_shape_on_synthetic_ids(tmp_path, monkeypatch):
+    """gptqmodel loads the random weights through id_model_dir (its loader wants a tokenizer file). ~6 s here."""
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    source = RandomModel(arch="tiny")
+    q = GPTQModelQuantizer(group_size=32, calibration_samples=2, calibration_length=32, calibration_seed=3)
+    q.preflight("cpu")
+    model = q.load(source, tokenizer=source.tokenizer(), device="cpu", experiment=None)
+    assert q.last_tags["quantizer.calibration"] == ("synthetic token ids (seed 3, 2 x 32; random-weight shape: "
+                                                    "speed only)")
+    assert q.last_metrics["calibration_tokens"] == 64.0 and q.last_tags["quantizer.cache"] == "miss"
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([[1, 5, 7]])).logits.shape == (1, 3, 512)
+    assert os.environ["GPTQMODEL_CPU_WORKERS"] == str(q.workers)
+
+
+def test_quantizer_flags_are_in_force_while_fast_path_compiles(monkeypatch):
+    import torch._inductor.config as inductor
+
+    seen = {}
+
+    class FakeFastPath:
+        def __init__(self, model, **kwargs):
+            seen["init"] = inductor.coordinate_descent_tuning
+
+    def warmup(strategy, model, batches, opts, fast):  # dynamo compiles here, in the first compiled calls
+        seen["warmup"] = (inductor.coordinate_descent_tuning, inductor.force_fuse_int_mm_with_mul)
+
+    monkeypatch.setattr(fast_path, "FastPath", FakeFastPath)
+    monkeypatch.setattr(fast_path, "compile_warmup", warmup)
+    before = inductor.coordinate_descent_tuning
+    assert fast_path.quantizer_inductor(TorchAoInt8(), "cuda") == gpu_paths.TORCHAO_INDUCTOR
+    assert fast_path.quantizer_inductor(TorchAoInt8(), "cpu") == {} == fast_path.quantizer_inductor(object(), "cuda")
+    measure = SimpleNamespace(compile_mode="reduce-overhead", compile_freezing=False, compile_backend="inductor",
+                              compile_cpp_wrapper=False, compile_skip_guards=False)
+    exp = SimpleNamespace(measure=measure, quantizer=TorchAoInt8(), strategy=None)
+    fast = fast_path.prepare(exp, None, SimpleNamespace(device="cuda", max_new_tokens=4), [[[1, 2]]], "compiled")
+    assert seen == {"init": True, "warmup": (True, True)} and fast.inductor == gpu_paths.TORCHAO_INDUCTOR
+    assert inductor.coordinate_descent_tuning == before  # restored: the next run of a sweep compiles without them
+
+
+def test_docs_table_is_the_modules():
+    doc = (ROOT / "docs" / "quantizers.md").read_text(encoding="utf-8")
+    begin, end = "<!-- gpu_paths.markdown() -->\n", "<!-- end gpu_paths.markdown() -->"
+    assert begin in doc and end in doc, "docs/quantizers.md lost its GPU paths table markers"
+    assert doc.split(begin, 1)[1].split(end, 1)[0].strip() == gpu_paths.markdown().strip(), (
+        "docs/quantizers.md's GPU paths table differs from quantizers/gpu_paths.py; paste gpu_paths.markdown()")
