@@ -66,6 +66,7 @@ def test_kernel_names_are_read_from_demangled_signatures():
     (GEMV, True), (GEMVX, True), (XMMA, True), (MARLIN, True), (TINYGEMM, True), (BNB4, True), (DEQUANT, True),
     (CUTLASS, True), ("void cublasLt::splitKreduce_kernel<32, 16, int, __half, __half, float, __half>(x)", True),
     ("triton_tem_fused_mm_0", True), ("triton_red_fused__to_copy_mm_mul_2", True),
+    ("triton_red_fused__to_copy_mul_sum_0", True), ("triton_red_fused__softmax_exp_mul_sum_4", False),
     ("triton_poi_fused_dequantize_affine_0", True),
     (FLASH, False), (FLASH3, False), (ELEMENTWISE, False), (REDUCE, False), (SOFTMAX, False), (MEMCPY, False),
     ("Memset (Device)", False), ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1", False),

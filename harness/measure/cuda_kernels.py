@@ -37,6 +37,7 @@ LINEAR_KERNELS = ("gemv", "gemm", "xmma", "cutlass", "cublas", "marlin", "tinyge
 # Triton kernels are named after the ops they fused: an `mm` among them (`triton_tem_fused_mm_0`,
 # `triton_red_fused__to_copy_mm_mul_0`: inductor's one-row mm as a reduction) is a linear layer; `bmm` is attention.
 TRITON_LINEAR_OPS = frozenset({"mm", "addmm", "linear", "matmul", "dequantize", "int4pack", "int8pack"})
+NOT_ONE_ROW_MM = frozenset({"softmax", "mean", "rsqrt", "pow", "amax", "exp", "var", "bmm"})  # norms, softmax, attention
 CUTLASS_WRAPPERS = frozenset({"Kernel", "Kernel2", "device_kernel"})
 SECOND_SHARE = 0.10
 NO_KERNELS = "no CUDA kernels recorded"
@@ -83,7 +84,10 @@ def is_linear_kernel(name: str) -> bool:
     low = name.lower()
     if low.startswith("triton_"):
         parts = set(low.split("_"))
-        return bool(parts & TRITON_LINEAR_OPS) or "dequant" in low
+        # inductor's one-row mm under coordinate-descent tuning (torchao int8's fused path) is a reduction of
+        # products, `triton_red_fused__to_copy_mul_sum_0`: a mul and a sum, without the markers of a norm or softmax
+        one_row_mm = {"mul", "sum"} <= parts and not parts & NOT_ONE_ROW_MM
+        return bool(parts & TRITON_LINEAR_OPS) or one_row_mm or "dequant" in low
     if any(k in low for k in NOT_LINEAR_KERNELS):
         return False
     return any(k in low for k in LINEAR_KERNELS)
