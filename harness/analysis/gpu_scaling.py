@@ -39,7 +39,8 @@ BASELINE = "fp16"
 FOUR_BIT = ("int4", "gptq_int4", "awq_int4", "bnb_nf4")
 EIGHT_BIT = ("int8", "bnb_int8")
 TARGETS = {"4-bit": 1.8, "8-bit": 1.45, "floor": 0.85}  # issue #29's done-when, at the 8B shape
-NO_KERNEL = ("", "none", "not visible", "?")  # tag prefixes that name no kernel
+H200_FLOOR = ("llama-3.1-8b", 4.65)  # ms: ../shared/FACTS.md, every 8B fp16 matrix at one row, one CUDA graph
+NO_KERNEL = ("", "none", "not visible", "?", "no cuda kernels", "profile failed")  # tag prefixes that name no kernel
 
 
 def points(rows: list[dict]) -> list[dict]:
@@ -139,6 +140,11 @@ def verdicts(pts: list[dict]) -> list[str]:
         share = base["floor_share"]
         parts.append("fp16 floor share " + (f"**{share:.2f}** ({'meets' if share >= TARGETS['floor'] else 'below'} "
                                             f"{TARGETS['floor']})" if share is not None else "not recorded"))
+        if shape == H200_FLOOR[0] and "H200" in str(base["gpu"]) and base["floor_ms"] is not None:
+            # the issue's reference: every weight matrix of this shape at one row in one CUDA graph, 4.65 ms on an H200
+            off = base["floor_ms"] / H200_FLOOR[1] - 1
+            parts.append(f"fp16 floor {base['floor_ms']:.2f} ms vs {H200_FLOOR[1]} ms measured before "
+                         f"({off:+.0%}: {'within' if abs(off) <= 0.10 else 'outside'} 10%)")
         unnamed = [p["format"] for p in mine if not _names_kernel(p["kernel"])]
         parts.append(f"kernel named in {len(mine) - len(unnamed)}/{len(mine)} rows"
                      + (f" (not: {', '.join(unnamed)})" if unnamed else ""))
