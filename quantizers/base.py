@@ -176,6 +176,10 @@ class Quantizer:
     devices: tuple[str, ...] = ("cpu", "cuda")
     instead = "quantizer=bf16"  # what to suggest when this one cannot run here
     compilable = True  # torch.compile can trace its matmuls (False: measure.compile=true fails before loading)
+    # its eager linear dequantizes the whole weight and then multiplies, a path only a compile fuses (torchao int8):
+    # the floor row of a compiled step then compiles its pass too (harness/measure/floor.py); others call the same
+    # kernel eager and compiled, and their floor stays eager (no second compile on the device's clock)
+    eager_dequantizes = False
 
     @property
     def name(self) -> str:

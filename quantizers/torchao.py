@@ -115,6 +115,8 @@ class BF16OnCPU:
 class TorchAoInt8(InductorFlags, BF16OnCPU, TimedLoad, Quantizer):
     """int8 per-row weights; `dynamic=True` also quantizes activations per token (int8 x int8 matmul)."""
 
+    eager_dequantizes = True  # Int8Tensor's eager call: mm(x, w.to(dtype)) * scale (quantizers/base.py)
+
     dynamic: bool = False
     kernel: str = "auto"  # auto (int8pack on CPU and fused on CUDA for weight-only, else torchao) | int8pack | torchao | fused
     head: str = "keep"  # keep (output projection in 16 bits) | int8 (per row, as llama.cpp's Q8_0 files; CPU)

@@ -5,6 +5,7 @@ of the step against it. No test needs CUDA: the device rows are recorded kernel 
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -308,3 +309,25 @@ def test_the_compiled_floor_pass_runs_under_the_steps_inductor_flags(monkeypatch
     run()
     assert seen == [("default", True)] and calls == [1]  # mode default: the CUDA graph is the floor's own
     assert inductor_config.coordinate_descent_tuning == before  # patched for the call only
+
+
+@pytest.mark.parametrize("quantizer, device, fast, compiled", [
+    ("torchao_int8", "cuda", True, True),  # eager Int8Tensor dequantizes: the floor compiles like the step
+    ("torchao_int4", "cuda", True, False),  # tinygemm is one op eager and compiled: no second compile
+    ("torchao_int8", "cuda", False, False),  # an eager step gets an eager floor
+    ("torchao_int8", "cpu", True, False),
+])
+def test_the_floor_compiles_only_where_the_eager_call_dequantizes(monkeypatch, quantizer, device, fast, compiled):
+    from harness.config import build, compose
+    from harness.run import engines
+
+    exp = build(compose(["model=tiny_random", f"quantizer={quantizer}", "accuracy.enabled=false"]))
+    session = engines.TransformersSession(exp, device, 1)
+    session.model = SimpleNamespace(dtype=torch.bfloat16)
+    session.fast = SimpleNamespace(inductor={"coordinate_descent_tuning": True}) if fast else None
+    seen = {}
+    monkeypatch.setattr(engines.kernels, "profile_linear", lambda *a, **k: ({}, {}))
+    monkeypatch.setattr(engines.one_row, "stream_rate", lambda *a, **k: {})
+    monkeypatch.setattr(engines.floor, "linear_floor", lambda *a, inductor=None, **k: seen.update(i=inductor) or ({}, {}))
+    session.kernel_profile([[1]], SimpleNamespace(gemv_aten=False), Path("/dev/null"))
+    assert (seen["i"] is not None) == compiled

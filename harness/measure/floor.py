@@ -16,9 +16,10 @@ no second copy of the weights is made:
 Metrics `linear_floor_ms` (median), `linear_floor_spread_ms` (max - min over the timed passes); tag `kernel.floor`
 says how it was measured. `floor_report` sets it against the run's decode step (`linear_floor_share`,
 `step_rest_ms`). Modules are called as nn.Modules. Under torch.compile a tensor-subclass format (torchao) reaches
-another kernel than its eager dispatch does, so where the run's step was compiled on CUDA and the format quantizes,
-the pass is compiled too, with the step's inductor flags (`compiled_pass`), then captured; 16-bit layers call cuBLAS
-either way and stay eager (no second compile on the device's clock).
+another kernel than its eager dispatch does, so where the run's step was compiled on CUDA and the format's eager call
+dequantizes the whole weight (`eager_dequantizes`, quantizers/base.py: torchao int8), the pass is compiled too, with
+the step's inductor flags (`compiled_pass`), then captured; formats that call one kernel eager and compiled (cuBLAS,
+tinygemm, Marlin, bitsandbytes) stay eager (no second compile on the device's clock).
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ class TransformersSession(Session):
             tags, metrics = kernels.profile_linear(self.exp.strategy, self.model, batch, opts)
             # the floor row: the model's own linears once at one row, one CUDA graph on a GPU (harness/measure/floor.py)
             compiled = self.fast is not None and self.device.startswith("cuda") and \
-                getattr(memory.backend_of(self.exp.quantizer), "quantizes", False)
+                getattr(memory.backend_of(self.exp.quantizer), "eager_dequantizes", False)
             fl_metrics, fl_tags = floor.linear_floor(self.model, self.model.dtype, self.device, opts.gemv_aten,
                                                      inductor=getattr(self.fast, "inductor", {}) if compiled else None)
             metrics.update(fl_metrics)
