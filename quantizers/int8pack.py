@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from harness.errors import QuantbenchError
+from quantizers.common import release
 
 # Rows (tokens x batch) from which Int8PackLinear dequantizes to fp32 where bf16 is emulated. Whole SmolLM2
 # body on Zen 3, 2 threads: 64 rows int8pack 213 ms vs fp32 257 ms (fresh buffer), 200 rows 792 vs 670.
@@ -69,7 +70,9 @@ def to_int8pack(model: Any, upcast_rows: int) -> int:
             swaps.append((name, Int8PackLinear(w.qdata, w.scale.to(torch.bfloat16), m.bias, upcast_rows)))
     for name, new in swaps:
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        owner = model.get_submodule(parent) if parent else model
+        release(getattr(owner, leaf))  # its int8 rows must go with it once the kernel re-lays them (common.release)
+        setattr(owner, leaf, new)
     return len(swaps)
 
 

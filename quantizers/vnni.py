@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from harness.measure.hugepages import trim_heap as trim
+from quantizers.common import release
 from quantizers.int8pack import Int8PackLinear
 
 
@@ -115,7 +116,10 @@ def swap_layers(model: Any, takes: Callable[[Any], bool], build: Callable[[Any],
     cells were killed for memory that way)."""
     swaps = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if takes(child)]
     for parent, name in swaps:
-        setattr(parent, name, build(getattr(parent, name)))
+        old = getattr(parent, name)
+        setattr(parent, name, build(old))
+        release(old)
+        del old
         trim()
     return len(swaps)
 

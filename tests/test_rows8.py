@@ -243,3 +243,26 @@ def test_int8_layers_keep_their_values_and_match_at_every_width():
             assert y.shape == ref.shape and y.dtype == torch.bfloat16
             assert (exact - ref).abs().max() <= 2e-6 * ref.abs().max(), (n, k)  # 24-bit x, fp32 sums: ~3e-7
             assert (y.double() - ref).abs().max() <= 2 ** -8 * ref.abs().max()  # then one bf16 rounding
+
+
+def test_a_swapped_layer_is_freed_at_once_even_with_methods_bound_to_itself():
+    # torchao's quantize_ stores `extra_repr` as a method bound to the layer: a reference cycle that kept every
+    # replaced layer alive until the cyclic collector ran (an 8B int4 model: 7.1 -> 10.1 GB through the swap)
+    import gc
+    import types
+    import weakref
+
+    from quantizers import vnni
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    old = model[0]
+    old.extra_repr = types.MethodType(lambda self: "torchao-style", old)
+    gone = weakref.ref(old)
+    del old
+    gc.disable()
+    try:
+        n = vnni.swap_layers(model, lambda m: isinstance(m, torch.nn.Linear) and m.in_features == 4,
+                             lambda m: torch.nn.Identity())
+        assert n == 2 and gone() is None  # freed by its reference count, no collection needed
+    finally:
+        gc.enable()
