@@ -11,7 +11,9 @@ The table `METRICS` is the one home of the metric names. It feeds:
 A family is one entry whose name holds a placeholder, e.g. `task_<task>_acc_diff` (one metric per task
 scored) or `accepted_len_<n>` (speculative decoding's histogram): `defined` and `lookup` match it.
 
-This module imports nothing from the project, so any module may import it.
+The types (`Metric`, `Column`, the phases) live in harness/metric_types.py and the serving, sweep and gate
+metrics in harness/metrics_load.py; this module and those import nothing else from the project, so any module
+may import it.
 """
 
 from __future__ import annotations
@@ -21,61 +23,16 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-BETTER = ("higher", "lower", "none")
-
-# the phases of a measurement (harness/run/pipeline.py), in the order they run, and what records beside them
-PHASES: dict[str, str] = {
-    "preflight": "before anything loads: the memory estimate",
-    "load": "load the model (+ quantize) and audit what is stored",
-    "prepare": "strategy setup and the fast path (compile), untimed",
-    "decode": "the timed repetitions: timing summaries, workload, strategy and energy metrics",
-    "profile": "the kernel profile of a few decode steps, outside the timing",
-    "memory": "the peak memory of the run",
-    "roofline": "the memory-bandwidth bound of a decode step and how close the run came",
-    "accuracy": "perplexity, and KL and top-1 agreement against the unquantized reference",
-    "tasks": "task accuracy (BIG-bench multiple choice through lm-eval), paired with the reference",
-    "serving": "a load run (harness/load/): per offered rate (nested runs), and the capacity on the parent",
-    "sweep": "added by the sweep to each cell's record",
-    "gate": "the record of a `python -m harness.gate` comparison (not of a run)",
-}
-
-
-@dataclass(frozen=True)
-class Column:
-    """How the sweep report shows a metric: header, format, place (`at`: columns sort by it), scale; an
-    `always` column shows even when no cell has the metric, any other only when some cell has it."""
-
-    header: str
-    fmt: str
-    at: int
-    scale: float = 1.0
-    always: bool = False
-    spread: bool = False  # show the `<name>_p10`–`<name>_p90` spread beside the value
-
-
-@dataclass(frozen=True)
-class Metric:
-    """One metric's definition. `gate` is "speed" or "accuracy" for the metrics the gate compares."""
-
-    name: str
-    unit: str
-    better: str
-    phase: str
-    meaning: str
-    column: Column | None = None
-    gate: str = ""
-
-    def __post_init__(self) -> None:
-        if self.better not in BETTER or self.phase not in PHASES:
-            raise ValueError(f"metric {self.name}: better {self.better!r} not in {BETTER} or phase {self.phase!r} "
-                             f"not in {tuple(PHASES)}")
-
+from harness.metric_types import BETTER, PHASES, Column, Metric
+from harness.metrics_load import SERVING_SWEEP_GATE
 
 _H, _L, _N = "higher", "lower", "none"
+__all__ = ["BETTER", "PHASES", "Column", "Metric", "METRICS", "HEADLINE", "DIRECTION_MARK", "lookup", "defined",
+           "undefined", "value", "gate_speed_metric", "gate_accuracy_metrics", "report_columns", "markdown_table"]
 
 _TABLE: list[Metric] = [
     # ---- preflight (harness/measure/memory.py)
@@ -249,58 +206,8 @@ _TABLE += _task_metrics("acc_norm", {})
 _TABLE += [
     Metric("task_<task>_examples", "count", _N, "tasks", "examples scored on one task"),
     Metric("task_<task>_chance", "ratio", _N, "tasks", "the accuracy of guessing on those examples"),
-    # ---- serving (harness/load/stats.py, harness/load/run.py): per rate, then the parent's summary
-    Metric("offered_rps", "req/s", _N, "serving", "the offered request rate (open-loop arrivals)"),
-    Metric("request_throughput_rps", "req/s", _H, "serving", "requests answered / the rate's duration"),
-    Metric("output_tokens_per_s", "tokens/s", _H, "serving", "output tokens of answered requests / duration"),
-    Metric("goodput_rps", "req/s", _H, "serving", "offered rate x goodput_share (no rate offered: SLO-met requests / duration)"),
-    Metric("goodput_share", "ratio", _H, "serving", "share of the rate's requests that met every SLO (load.slo.*)"),
-    Metric("requests_sent", "count", _N, "serving", "requests sent"),
-    Metric("requests_ok", "count", _N, "serving", "requests answered in full"),
-    Metric("failed_requests", "count", _L, "serving", "requests that ended in an error"),
-    Metric("unfinished_requests", "count", _L, "serving", "requests unanswered at load.request_timeout_s"),
-    Metric("load_duration_s", "s", _N, "serving", "first send to the last token (or an unfinished one's deadline)"),
-    Metric("send_lag_ms_p99", "ms", _L, "serving", "99th percentile of actual minus scheduled send time"),
-    Metric("open_loop", "flag", _H, "serving", "1 when that lag stayed within load.max_send_lag_ms"),
-    Metric("concurrency", "count", _N, "serving", "requests kept in flight (closed loop)"),
-    Metric("serve_<measure>_ms_p<n>", "ms", _L, "serving", "percentile n of per-request ttft, tpot, itl or e2e"),
-    Metric("sync_rps", "req/s", _H, "serving", "sweep: requests/s one at a time (synchronous)"),
-    Metric("sync_output_tokens_per_s", "tokens/s", _H, "serving", "sweep: output tokens/s one request at a time"),
-    Metric("max_rps", "req/s", _H, "serving", "the highest request throughput any rate reached"),
-    Metric("capacity_rps", "req/s", _H, "serving", "highest offered rate with goodput >= load.goodput_share of it",
-           Column("capacity req/s", "{:.2f}", 85)),
-    Metric("capacity_<measure>_ms_p<n>", "ms", _L, "serving", "percentile n of ttft or tpot at the capacity rate"),
-    Metric("load_points", "count", _N, "serving", "rates (and concurrencies) offered"),
-    # ---- sweep (harness/sweep.py)
-    Metric("cell_start_s", "s", _L, "sweep", "until the cell's child process was ready (fork or start, imports)"),
-    Metric("cell_wall_s", "s", _L, "sweep", "the whole cell as the sweep sees it"),
-    # ---- gate (harness/gate/report.py: names are a contract, docs/gate.md)
-    Metric("exit_code", "code", _N, "gate", "0 pass, 1 regression, 2 error"),
-    Metric("gate_seconds", "s", _L, "gate", "the whole gate run"),
-    Metric("speed_change", "ratio", _H, "gate",
-           "candidate vs baseline tokens/s: exp(trimmed mean of the block pairs' log ratio) - 1"),
-    Metric("speed_ci_low", "ratio", _H, "gate", "lower bootstrap bound of the change at the last look"),
-    Metric("speed_ci_high", "ratio", _H, "gate", "upper bootstrap bound of the change at the last look"),
-    Metric("speed_threshold", "ratio", _N, "gate", "the slowdown that fails the gate"),
-    Metric("speed_effective_threshold", "ratio", _N, "gate", "the threshold as applied"),
-    Metric("speed_alpha_look", "p", _N, "gate", "the per-look error level of the sequential design"),
-    Metric("speed_looks", "count", _N, "gate", "looks taken before stopping"),
-    Metric("speed_seconds", "s", _L, "gate", "time spent on the speed comparison"),
-    Metric("speed_block_steps", "count", _N, "gate", "decode steps per block"),
-    Metric("repetitions", "count", _N, "gate", "blocks per side"),
-    Metric("baseline_decode_tokens_per_s", "tokens/s", _H, "gate", "the baseline's median block tokens/s"),
-    Metric("candidate_decode_tokens_per_s", "tokens/s", _H, "gate", "the candidate's median block tokens/s"),
-    Metric("speed_cv_ratio", "ratio", _L, "gate", "robust CV of the pair ratios"),
-    Metric("baseline_cv", "ratio", _L, "gate", "robust CV of the baseline's block tokens/s"),
-    Metric("candidate_cv", "ratio", _L, "gate", "robust CV of the candidate's block tokens/s"),
-    Metric("baseline_cv_classic", "ratio", _L, "gate", "std / mean of the baseline's block tokens/s"),
-    Metric("candidate_cv_classic", "ratio", _L, "gate", "std / mean of the candidate's block tokens/s"),
-    Metric("speed_lag1", "ratio", _N, "gate", "lag-1 autocorrelation of the pair log ratios"),
-    Metric("speed_order_effect", "ratio", _N, "gate", "AB - BA pairs: what the A B B A order cancels"),
-    Metric("candidate_perplexity", "ppl", _L, "gate", "the candidate's perplexity"),
-    Metric("candidate_kl_div_mean", "nats", _L, "gate", "the candidate's mean KL divergence"),
-    Metric("candidate_top1_agreement", "ratio", _H, "gate", "the candidate's top-1 agreement"),
 ]
+_TABLE += SERVING_SWEEP_GATE  # harness/metrics_load.py
 
 METRICS: dict[str, Metric] = {m.name: m for m in _TABLE}
 if len(METRICS) != len(_TABLE):  # a name defined twice would silently keep the second definition
