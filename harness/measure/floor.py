@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harness.measure import now, sync
-from harness.measure.one_row import gemv_off_onednn
+from harness.measure.one_row import gemv_off_onednn, matrices
 
 log = logging.getLogger("quantbench")
 
@@ -40,21 +40,9 @@ CPU_REPEATS = 3  # eager passes: an 8B model's pass is ~1 s on a few cores
 
 
 def linear_modules(model: Any) -> list[tuple[Any, int]]:
-    """(module, in_features) of every linear-like module, each once: nn.Linear and its subclasses (torchao's tensor
-    subclass weights, bitsandbytes' Linear8bitLt/Linear4bit, quanto) and modules that only look like one (gptqmodel's
-    QuantLinear: `in_features`/`out_features` and packed buffers, no nn.Linear). A wrapper with a weight of its own
-    around another such module is called, not its inner one: the outermost is what the model calls."""
-    found: list[tuple[str, Any, int]] = []
-    for name, mod in model.named_modules():
-        k, n = getattr(mod, "in_features", None), getattr(mod, "out_features", None)
-        own = next(iter(mod.parameters(recurse=False)), None) is not None or \
-            next(iter(mod.buffers(recurse=False)), None) is not None
-        if not (isinstance(k, int) and isinstance(n, int) and own):
-            continue  # not a matmul, or a wrapper without a weight (its inner linear is counted)
-        if any(name.startswith(f"{outer}.") for outer, _, _ in found):
-            continue  # inside a counted module: named_modules() lists parents first
-        found.append((name, mod, int(k)))
-    return [(mod, k) for _, mod, k in found]
+    """(module, in_features) of every linear-like module, each once (harness/measure/one_row.py `matrices`, which
+    kernel_stream_gbps counts over: the floor and the stream rate time the same modules)."""
+    return [(mod, k) for mod, k, _ in matrices(model)]
 
 
 def first_line(exc: BaseException) -> str:

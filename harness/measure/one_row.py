@@ -69,17 +69,24 @@ def gemv_choice(setting: str, device: str, cpu: env.CpuInfo) -> tuple[str, str]:
     return kernel, why
 
 
-def _matrices(model: Any) -> list[tuple[Any, int, int]]:
-    """(module, in_features, stored bytes) of every linear-like module holding a weight matrix, head included."""
+def matrices(model: Any) -> list[tuple[Any, int, int]]:
+    """(module, in_features, stored bytes) of every linear-like module holding a weight matrix, head included, each
+    once: nn.Linear and its subclasses (torchao's tensor-subclass weights, bitsandbytes, quanto) and modules that only
+    look like one (gptqmodel's QuantLinear, rows8's layers: `in_features`/`out_features` and packed buffers). A wrapper
+    with a weight of its own around another such module is the one the model calls, so its inner one is skipped; a
+    wrapper without a weight is skipped for its inner one. Shared by `stream_rate` and harness/measure/floor.py."""
     seen: set[Any] = set()
-    out = []
-    for _, mod in model.named_modules():
-        k = getattr(mod, "in_features", None)
-        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
-        if not isinstance(k, int) or not own:
+    out: list[tuple[str, Any, int, int]] = []
+    for name, mod in model.named_modules():
+        k, n = getattr(mod, "in_features", None), getattr(mod, "out_features", None)
+        own = next(iter(mod.parameters(recurse=False)), None) is not None or \
+            next(iter(mod.buffers(recurse=False)), None) is not None
+        if not (isinstance(k, int) and isinstance(n, int) and own):
             continue  # not a matmul, or a wrapper whose inner linear is counted
-        out.append((mod, int(k), int(module_bytes(mod, seen))))
-    return out
+        if any(name.startswith(f"{outer}.") for outer, *_ in out):
+            continue  # inside a counted module: named_modules() lists parents first
+        out.append((name, mod, int(k), int(module_bytes(mod, seen))))
+    return [(mod, k, b) for _, mod, k, b in out]
 
 
 @torch.inference_mode()
@@ -87,7 +94,7 @@ def stream_rate(model: Any, dtype: torch.dtype, device: str, gemv_aten: bool, re
                 wall_ms: float | None = None) -> dict[str, float]:
     """Metrics `kernel_stream_gbps` / `_ms` / `_gb`: each weight matrix once at one row (module docstring).
     `wall_ms`: the pass's wall clock where it was just measured (harness/measure/floor.py's eager pass on CPU)."""
-    mats = _matrices(model)
+    mats = matrices(model)
     if not mats:
         return {}
     xs = {k: torch.randn(1, 1, k, dtype=dtype, device=device) for k in {k for _, k, _ in mats}}
