@@ -8,8 +8,9 @@ Issue #29 measured whole decode steps (H200, Llama-3.1-8B shape): int4 tinygemm 
 0.69x, where torchao's H100 table has 1.90x and 1.57x. A whole step mixes attention, the 16-bit head, graph
 breaks and the linear kernels; this probe isolates the linears. Per variant: the seven linears of one layer of
 `--shape` (q, k, v, o, gate, up, down; harness/data/arch/<shape>.json) at one row, compiled as one function with
-the variant's mode and inductor flags, timed over `--iters` replays with CUDA events: us per layer, weight GB/s
-(bytes really stored / time), ratio to fp16; graph breaks and graphs dynamo made; the top kernels by device time
+the variant's mode and inductor flags, after 3 warm calls (compile, graph record, replay) timed over `--iters`
+replays in 5 blocks, each by the wall clock up to a device synchronize: us per layer (the median block) and the
+spread between blocks, weight GB/s (bytes really stored / time), ratio to fp16; graph breaks and graphs dynamo made; the top kernels by device time
 (as tag kernel.linear would name them); errors as one line, so one broken variant does not stop the rest.
 
 Reading it: if `int8_fused` reaches ~2x fp16's GB/s-normalised speed but whole-step int8 is still slow, the cause
@@ -34,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.measure import compile_diag, cuda_kernels, sync  # noqa: E402
 from quantizers import gpu_paths  # noqa: E402
 from quantizers.base import module_bytes  # noqa: E402
 
@@ -148,10 +150,14 @@ VARIANTS: dict[str, tuple[torch.dtype, Callable[[Layer], Layer], str, dict, str]
 }
 
 
+BLOCKS = 5  # --iters split into this many timed blocks: the median block and the spread between blocks
+
+
 def counters() -> tuple[int, int]:
+    """(graph breaks, graphs) dynamo has made so far in this process (harness/measure/compile_diag.py)."""
     from torch._dynamo.utils import counters as c
 
-    return sum(c["graph_break"].values()), int(c["stats"]["unique_graphs"])
+    return sum(compile_diag.graph_breaks().values()), int(c["stats"]["unique_graphs"])
 
 
 def top_kernels(fn: Callable[[], object], device: str, n: int = 3) -> list[str]:
@@ -167,12 +173,8 @@ def top_kernels(fn: Callable[[], object], device: str, n: int = 3) -> list[str]:
     rows = [e for e in prof.key_averages() if (str(e.device_type).endswith("CUDA")) == cuda]
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     rows.sort(key=lambda e: -float(getattr(e, key, 0.0) or 0.0))
-    return [f"{e.key[:80]} ({float(getattr(e, key, 0.0)) / 5:.1f} us)" for e in rows[:n]]
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    name = cuda_kernels.kernel_name if cuda else str  # the readable name kernel.linear would give
+    return [f"{name(e.key)[:80]} ({float(getattr(e, key, 0.0)) / 5:.1f} us)" for e in rows[:n]]
 
 
 def run_variant(name: str, dims: dict, device: str, iters: int, eager: bool) -> dict:
@@ -201,13 +203,18 @@ def run_variant(name: str, dims: dict, device: str, iters: int, eager: bool) -> 
         sync(device)
         compile_s = time.perf_counter() - t0
         breaks, made = (a - b for a, b in zip(counters(), (breaks0, graphs0), strict=True))
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            call()
-        sync(device)
-        us = (time.perf_counter() - t0) / iters * 1e6
+        per = max(1, iters // BLOCKS)  # blocks, not single calls: a sync per call would add its own ~10 us
+        blocks = []
+        for _ in range(BLOCKS):
+            t0 = time.perf_counter()
+            for _ in range(per):
+                call()
+            sync(device)
+            blocks.append((time.perf_counter() - t0) / per * 1e6)
+        us = sorted(blocks)[len(blocks) // 2]
         kernels = top_kernels(call, device)
-    return {"variant": name, "status": "OK", "us": round(us, 2), "GB/s": round(stored / us / 1e3, 1),
+    return {"variant": name, "status": "OK", "us": round(us, 2), "spread_us": round(max(blocks) - min(blocks), 2),
+            "GB/s": round(stored / us / 1e3, 1),
             "MB": round(stored / 1e6, 1), "compile_s": round(compile_s, 1), "graph_breaks": breaks, "graphs": made,
             "mode": mode or "eager", "flags": gpu_paths.inductor_tag(flags), "kernels": kernels}
 
@@ -223,14 +230,14 @@ def environment(device: str) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = next((r["us"] for r in rows if r["variant"] == "fp16" and r["status"] == "OK"), None)
-    out = ["| variant | status | us/layer | vs fp16 | GB/s | MB | breaks | graphs | compile s | top kernels |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| variant | status | us/layer (median block) | spread us | vs fp16 | GB/s | MB | breaks | graphs | compile s "
+           "| top kernels |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "OK":
-            out.append(f"| {r['variant']} | {r['status']} | | | | | | | | {r.get('error', '')} |")
+            out.append(f"| {r['variant']} | {r['status']} | | | | | | | | | {r.get('error', '')} |")
             continue
         ratio = f"{base / r['us']:.2f}x" if base else "-"
-        out.append(f"| {r['variant']} | OK | {r['us']} | {ratio} | {r['GB/s']} | {r['MB']} | {r['graph_breaks']} | "
+        out.append(f"| {r['variant']} | OK | {r['us']} | {r['spread_us']} | {ratio} | {r['GB/s']} | {r['MB']} | {r['graph_breaks']} | "
                    f"{r['graphs']} | {r['compile_s']} | {'; '.join(r['kernels'])} |")
     return "\n".join(out) + "\n"
 
