@@ -254,3 +254,22 @@ def test_docs_table_is_the_modules():
     assert begin in doc and end in doc, "docs/quantizers.md lost its GPU paths table markers"
     assert doc.split(begin, 1)[1].split(end, 1)[0].strip() == gpu_paths.markdown().strip(), (
         "docs/quantizers.md's GPU paths table differs from quantizers/gpu_paths.py; paste gpu_paths.markdown()")
+
+
+def test_the_probe_runs_its_variants_and_writes_a_row_each(tmp_path):
+    # benchmarks/gpu_paths_probe.py on CPU (--smoke: tiny shape, eager): the code path the GPU session runs, short of
+    # compile and CUDA graphs; the int8 variant that dequantizes per call must read slower per byte than fp16
+    import importlib.util
+    import json
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_paths_probe", ROOT / "benchmarks" / "gpu_paths_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.main(["--smoke", "--out", str(tmp_path), "--iters", "10"]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "probe.json").read_text())["rows"]}
+    assert set(rows) == {"fp16", "int8_eager"} and all(r["status"] == "OK" for r in rows.values())
+    assert all(r["us"] > 0 and r["spread_us"] >= 0 and r["kernels"] for r in rows.values())
+    assert rows["int8_eager"]["GB/s"] < rows["fp16"]["GB/s"]
+    assert "| int8_eager | OK |" in (tmp_path / "probe.md").read_text()
