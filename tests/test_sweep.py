@@ -301,6 +301,36 @@ def _cell(label, quantizer, tps, kl=None, status="OK", batch=1, **extra):
             "tags": {"sweep.cell": label, "quantizer.name": quantizer, "strategy.name": "StaticBatch"}}
 
 
+def test_report_ratios_never_compare_across_models_or_machines():
+    """A gpu_scaling sweep runs three shapes: each ratio is against its own shape's baseline, on its own machine;
+    a cell whose shape has no baseline gets no ratio (not one against another shape's speed)."""
+    cells = []
+    for model, base, fast in (("1B", 300.0, 450.0), ("8B", 100.0, 180.0)):
+        for q, tps in (("none", base), ("int4", fast)):
+            c = _cell(f"{model}-{q}", q, tps, batch=1, batch_size=1)
+            c["tags"]["model.name"] = model
+            cells.append(c)
+    orphan = _cell("3B-int4", "int4", 250.0)
+    orphan["tags"]["model.name"] = "3B"
+    elsewhere = _cell("8B-int4-h200", "int4", 500.0)
+    elsewhere["tags"].update({"model.name": "8B", "device": "cuda", "device_name": "H200"})
+    ratio = {r["cell"]: r["ratio"] for r in report.rows_for(cells + [orphan, elsewhere], "none")}
+    assert ratio["1B-int4"] == pytest.approx(1.5) and ratio["8B-int4"] == pytest.approx(1.8)
+    assert ratio["3B-int4"] is None and ratio["8B-int4-h200"] is None
+    from harness.analysis import crossover, frontier
+
+    pts = frontier.points(report.rows_for(cells + [orphan], "none"), "none")
+    assert sorted((p.group, round(p.speedup, 2)) for p in pts if p.fmt == "int4") == [
+        ("1B / StaticBatch / batch 1", 1.5), ("8B / StaticBatch / batch 1", 1.8)]
+    four = _cell("8B-int4-b4", "int4", 200.0, batch=4)
+    four["tags"]["model.name"] = "8B"
+    four_base = _cell("8B-none-b4", "none", 400.0, batch=4)
+    four_base["tags"]["model.name"] = "8B"
+    curves = crossover.points(report.rows_for(cells + [four, four_base], "none"), "none")
+    assert {k: [(p["batch"], round(p["measured"], 2)) for p in v] for k, v in curves.items()} == {
+        "int4 @ 1B": [(1, 1.5)], "int4 @ 8B": [(1, 1.8), (4, 0.5)]}
+
+
 def test_report_ratios_per_batch_and_optional_columns(tmp_path):
     cells = [_cell("b1-none", "none", 20.0, 0.0), _cell("b1-int8", "int8", 30.0, 0.01),
              _cell("b4-none", "none", 60.0, 0.0, batch=4), _cell("b4-int8", "int8", 45.0, 0.01, batch=4),

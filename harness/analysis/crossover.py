@@ -82,22 +82,31 @@ def predicted_tokens_per_s(m: dict, compute_ceiling: float | None) -> float | No
 
 # ----------------------------------------------------------------------------------------------- table
 def points(rows: list[dict], baseline: str) -> dict[str, list[dict]]:
-    """Per non-baseline quantizer: (batch, depth, measured ratio, predicted ratio) against the baseline."""
+    """Per non-baseline quantizer: (batch, depth, measured ratio, predicted ratio) against the baseline cell of
+    the same machine, model, strategy, batch and depth. The key is the quantizer, with the model (and the
+    machine) added where the rows hold several, so one curve never mixes shapes."""
     ok = [r for r in rows if r["status"] == "OK" and value(r["metrics"], "decode_tokens_per_s")]
-    ceiling: dict[str, float] = {}
+    models, hosts = {r.get("model") for r in ok}, {r.get("machine") for r in ok}
+
+    def where(r: dict) -> tuple:
+        return r.get("machine"), r.get("model")
+
+    ceiling: dict[tuple, float] = {}  # a format's compute ceiling on one machine and model
     for r in ok:
         f = value(r["metrics"], "prefill_flops_per_s")
         if f:
-            ceiling[r["quantizer"]] = max(f, ceiling.get(r["quantizer"], 0.0))
-    base = {(r["strategy"], r["batch"], r["depth"]): r for r in ok if r["quantizer"] == baseline}
+            ceiling[(*where(r), r["quantizer"])] = max(f, ceiling.get((*where(r), r["quantizer"]), 0.0))
+    base = {(*where(r), r["strategy"], r["batch"], r["depth"]): r for r in ok if r["quantizer"] == baseline}
     out: dict[str, list[dict]] = {}
     for r in ok:
-        b = base.get((r["strategy"], r["batch"], r["depth"]))
+        b = base.get((*where(r), r["strategy"], r["batch"], r["depth"]))
         if r["quantizer"] == baseline or b is None:
             continue
-        mine = predicted_tokens_per_s(r["metrics"], ceiling.get(r["quantizer"]))
-        theirs = predicted_tokens_per_s(b["metrics"], ceiling.get(baseline))
-        out.setdefault(r["quantizer"], []).append({
+        mine = predicted_tokens_per_s(r["metrics"], ceiling.get((*where(r), r["quantizer"])))
+        theirs = predicted_tokens_per_s(b["metrics"], ceiling.get((*where(r), baseline)))
+        label = r["quantizer"] + (f" @ {r.get('model')}" if len(models) > 1 else "") + \
+            (f" on {r.get('machine')}" if len(hosts) > 1 else "")
+        out.setdefault(label, []).append({
             "batch": r["batch"], "depth": r["depth"],
             "measured": value(r["metrics"], "decode_tokens_per_s") / value(b["metrics"], "decode_tokens_per_s"),
             "predicted": mine / theirs if mine and theirs else None,

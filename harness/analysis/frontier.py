@@ -33,6 +33,8 @@ from typing import Any
 from harness.analysis import intervals
 from harness.metrics import HEADLINE
 from harness.metrics import value as _num
+from harness.records.rows import group as _group
+from harness.records.rows import machine_key
 
 ALPHA = 0.05  # significance level of the Holm-corrected task-accuracy test
 KL_LIMIT = 0.01  # nats: "within KL 0.01" in the recommendation lines
@@ -46,7 +48,7 @@ class Point:
     fmt: str
     kernel: str
     machine: str
-    group: str  # model / strategy / batch: speedups compare within a group only
+    group: str  # model / strategy / batch (harness.records.rows.group): speedups compare within one, per machine
     tps: float
     speedup: float
     lo: float
@@ -67,14 +69,6 @@ class Point:
     @property
     def label(self) -> str:
         return f"{self.fmt} ({self.kernel})" if self.kernel else self.fmt
-
-
-def machine_key(tags: dict) -> str:
-    """The machine a cell ran on: the GPU's name on CUDA, else the CPU's vendor, family and model."""
-    if str(tags.get("device", "")).startswith("cuda") and tags.get("device_name"):
-        return str(tags["device_name"])
-    return f"{tags.get('cpu.vendor') or tags.get('cpu_model') or '?'} family {tags.get('cpu.family', '?')} " \
-           f"model {tags.get('cpu.model', '?')}"
 
 
 def _kernel(tags: dict) -> str:
@@ -124,14 +118,14 @@ def points(rows: list[dict], baseline: str, probes: list[dict] | None = None) ->
     again = replicates(rows, probes or [])
     half = math.exp((drift_of(rows, probes or []) or 0.0) / 2)
     ok = [r for r in rows if r["status"] == "OK" and _num(r["metrics"], HEADLINE)]
-    base: dict[str, float] = {}
+    base: dict[tuple[str, str], float] = {}
     for r in ok:
         if r["quantizer"] == baseline:
-            base.setdefault(_group(r), _speed(r["metrics"], again.get(r["tags"].get("config_hash")))[0])
+            base.setdefault((r["machine"], _group(r)), _speed(r["metrics"], again.get(r["tags"].get("config_hash")))[0])
     out = []
     for r in ok:
         m, t = r["metrics"], r["tags"]
-        (tps, p10, p90), ref = _speed(m, again.get(t.get("config_hash"))), base.get(_group(r))
+        (tps, p10, p90), ref = _speed(m, again.get(t.get("config_hash"))), base.get((r["machine"], _group(r)))
         if not ref:
             continue  # no baseline cell for this model/strategy/batch: no speedup to draw
         pt = Point(cell=r["cell"], fmt=r["quantizer"], kernel=_kernel(t), machine=machine_key(t), group=_group(r),
@@ -160,11 +154,6 @@ def points(rows: list[dict], baseline: str, probes: list[dict] | None = None) ->
         p.p_holm = adjusted.get(p.cell)
     mark_dominated(out)
     return out
-
-
-def _group(r: dict) -> str:
-    return f"{r['tags'].get('model.name', '?')} / {r['strategy']} / batch {r['batch']}" + \
-        (f" / depth {r['depth']}" if r.get("depth") else "")
 
 
 def has_accuracy(pts: list[Point]) -> bool:

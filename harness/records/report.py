@@ -7,7 +7,8 @@ Regenerate from a sweep folder or from MLflow:
 
 Rows come from result dicts (the cell JSON layout of harness.run.runner.Result; MLflow runs are converted to
 it), so both sources give the same table. The speed ratio compares each cell with the sweep's baseline
-cell (quantizer named `sweep.baseline`, default "none") of the same strategy and batch size.
+cell (quantizer named `sweep.baseline`, default "none") of the same machine, model, strategy, batch size
+and context depth (harness/records/rows.py); a cell with no such baseline has no ratio.
 
 The metric columns, their headers, formats and which direction is better come from the metric table
 (harness/metrics.py, `Metric.column`): a column shows when it is `always` shown or some cell has the metric.
@@ -77,7 +78,8 @@ def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
     head.append("status")
     lines = [f"# {title}", "",
              f"{len(rows)} cell(s): " + ", ".join(f"{n} {s}" for s, n in sorted(_counts(rows).items())) + ". "
-             f"Speed ratio against the `{baseline}` cell of the same strategy and batch size; KL and top-1 "
+             f"Speed ratio against the `{baseline}` cell of the same machine, model, strategy, batch size and "
+             "context depth (none where that cell is missing); KL and top-1 "
              "against the unquantized reference. ↑ higher is better, ↓ lower is better (harness/metrics.py).", "",
              *_machine_line(rows), "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:

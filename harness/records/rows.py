@@ -1,4 +1,8 @@
-"""The report's view of a sweep's cells: one row per result dict, with its speed ratio to the baseline cell."""
+"""The report's view of a sweep's cells: one row per result dict, with its speed ratio to the baseline cell.
+
+A ratio only compares like with like: the baseline cell of the same machine, model, strategy, batch size and
+context depth (`group`). A cell with no such baseline gets no ratio rather than one against another shape's
+or another machine's speed (a gpu_scaling sweep runs three model shapes; a merged report can hold two CPUs)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ def describe(cell: dict) -> dict[str, Any]:
     depth = _num(m, "context_depth_tokens") or _num(config.get("measure") or {}, "context_depth") or 0.0
     return {
         "cell": tags.get("sweep.cell") or cell.get("run_name") or "?",
+        "model": tags.get("model.name") or "?",
+        "machine": machine_key(tags),
         "quantizer": tags.get("quantizer.name") or tags.get("choice.quantizer") or "?",
         "strategy": tags.get("strategy.name") or tags.get("choice.strategy") or "?",
         "batch": int(batch),
@@ -27,15 +33,25 @@ def describe(cell: dict) -> dict[str, Any]:
     }
 
 
-def _baseline_speed(rows: list[dict], baseline: str) -> dict[tuple, float]:
-    speeds: dict[tuple, float] = {}
+def machine_key(tags: dict) -> str:
+    """The machine a cell ran on: the GPU's name on CUDA, else the CPU's vendor, family and model."""
+    if str(tags.get("device", "")).startswith("cuda") and tags.get("device_name"):
+        return str(tags["device_name"])
+    return f"{tags.get('cpu.vendor') or tags.get('cpu_model') or '?'} family {tags.get('cpu.family', '?')} " \
+           f"model {tags.get('cpu.model', '?')}"
+
+
+def group(r: dict) -> str:
+    """The cells of one machine a speed ratio may compare: same model, strategy, batch size and context depth."""
+    return f"{r['model']} / {r['strategy']} / batch {r['batch']}" + (f" / depth {r['depth']}" if r.get("depth") else "")
+
+
+def _baseline_speed(rows: list[dict], baseline: str) -> dict[tuple[str, str], float]:
+    speeds: dict[tuple[str, str], float] = {}
     for r in rows:
         tps = _num(r["metrics"], HEADLINE)
         if r["status"] == "OK" and r["quantizer"] == baseline and tps:
-            speeds.setdefault((r["strategy"], r["batch"], r["depth"]), tps)
-            speeds.setdefault((r["strategy"], r["batch"]), tps)
-            speeds.setdefault((r["strategy"],), tps)
-            speeds.setdefault((), tps)
+            speeds.setdefault((r["machine"], group(r)), tps)
     return speeds
 
 
@@ -43,8 +59,7 @@ def rows_for(cells: list[dict], baseline: str = "none") -> list[dict]:
     rows = [describe(c) for c in cells]
     speeds = _baseline_speed(rows, baseline)
     for r in rows:
-        base = (speeds.get((r["strategy"], r["batch"], r["depth"])) or speeds.get((r["strategy"], r["batch"]))
-                or speeds.get((r["strategy"],)) or speeds.get(()))
+        base = speeds.get((r["machine"], group(r)))
         tps = _num(r["metrics"], HEADLINE)
         r["ratio"] = tps / base if (tps and base and r["status"] == "OK") else None
     return rows
