@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ALL=0; TASKS=0
-case "${1:-}" in --all) ALL=1; TASKS=1 ;; --tasks) TASKS=1 ;; esac
+case "${1:-}" in --all) ALL=1; TASKS=soft ;; --tasks) TASKS=1 ;; esac
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.venv
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -13,8 +13,13 @@ PIP="$VENV/bin/python -m pip"
 stamp="$VENV/.qb-setup-$ALL-$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 fetch_tasks() {
   # BIG-bench's task files (accuracy.tasks, harness/analysis/tasks.py): the bigbench 1.0.0 sdist from the package registry
-  # (~360 MB, once, sha256-checked), its multiple-choice tasks kept in the cache (~290 MB); 0.2 s when present
+  # (~360 MB, once, sha256-checked), its multiple-choice tasks kept in the cache (~290 MB); 0.2 s when present.
+  # Asked for (--tasks), a failed fetch fails setup with its one line. Under --all (the test extras) it is tried
+  # and a failure is one warning line: the tests use a stand-in task cache (tests/standin_tasks.py), and since
+  # 2026-12-05 the registry lists only bigbench 0.0.1.
   if [ "$TASKS" = 1 ]; then "$VENV/bin/python" -m harness.analysis.tasks fetch; fi
+  if [ "$TASKS" = soft ]; then "$VENV/bin/python" -m harness.analysis.tasks fetch 2>&1 | tail -1 >&2 ||
+    echo "setup: warning: BIG-bench task files not fetched (above); accuracy.tasks refuses until they are" >&2; fi
 }
 # --all is a superset of the plain setup: its stamp (same inputs) satisfies a plain `make setup` too, so
 # `make gate` after `make test` does not reinstall the project (~40 s in CI)

@@ -17,6 +17,28 @@ from harness.env import wikitext_dir  # noqa: E402
 
 quiet_third_party()
 
+
+def _standin_task_cache() -> None:
+    """Every test and subprocess reads the stand-in BIG-bench tasks (tests/standin_tasks.py), never the real cache:
+    the suite needs no 360 MB download, and the same data on every machine. One per process (a few ms)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from standin_tasks import build
+
+    from harness.analysis.tasks import TASKS_DIR_ENV
+
+    if os.environ.get("QB_STANDIN_TASKS_OWNER") not in (None, str(os.getpid())):
+        return  # a subprocess of a test process: it inherits that process's stand-in
+    tmp = Path(tempfile.mkdtemp(prefix="qb-standin-tasks-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    os.environ[TASKS_DIR_ENV] = str(build(tmp / "bigbench"))
+    os.environ["QB_STANDIN_TASKS_OWNER"] = str(os.getpid())
+
+
+_standin_task_cache()
+
 # Small enough for seconds on 2 cores, large enough that every code path runs.
 FAST = [
     "model=tiny_random",

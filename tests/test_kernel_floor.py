@@ -331,3 +331,18 @@ def test_the_floor_compiles_only_where_the_eager_call_dequantizes(monkeypatch, q
     monkeypatch.setattr(engines.floor, "linear_floor", lambda *a, inductor=None, **k: seen.update(i=inductor) or ({}, {}))
     session.kernel_profile([[1]], SimpleNamespace(gemv_aten=False), Path("/dev/null"))
     assert (seen["i"] is not None) == compiled
+
+
+def test_the_compiled_floor_pass_keeps_every_matmul():
+    """Real torch.compile on CPU: a pass whose outputs are dropped is dead code to inductor, which removes every
+    matmul (the compiled floor then timed an empty graph); the pass returns them, so each is computed."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    mods = [(torch.nn.Linear(16, 8), 16), (torch.nn.Linear(8, 4), 8)]
+    one_pass = floor.pass_of(mods, {k: torch.randn(1, 1, k) for k in (8, 16)})
+    with torch.no_grad():
+        eager = one_pass()
+        got, code = run_and_get_code(floor.compiled_pass(one_pass, {}))
+    assert len(got) == 2 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, eager, strict=True))
+    assert code and any("mm" in c or "gemm" in c or "addmm" in c for c in code), code

@@ -49,6 +49,7 @@ TASKS = {
 def cache(tmp_path, monkeypatch):
     """A private cache root holding the tasks above (and, as in a real fetch, a programmatic one)."""
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(T.TASKS_DIR_ENV)  # this test's own tasks, not the suite's stand-in (tests/standin_tasks.py)
     T.build_cache([*((n, json.dumps(d).encode()) for n, d in TASKS.items()), ("prog", None)], T.data_dir(), "test")
     return tmp_path / "cache"
 
@@ -106,7 +107,8 @@ def test_a_value_of_the_wrong_kind_is_one_line(arg, message):
     (["accuracy.tasks=[default]"], True, "not in {cache}/bigbench-1.0.0: fetch them once with `scripts/setup.sh --tasks`"),
 ])
 def test_run_py_refuses_in_one_line_and_exits_2_before_any_model_loads(cache, tmp_path, args, fresh, message):
-    env = {**os.environ, "QUANTBENCH_CACHE": str(tmp_path / "empty" if fresh else cache)}
+    env = {**{k: v for k, v in os.environ.items() if k != T.TASKS_DIR_ENV},
+           "QUANTBENCH_CACHE": str(tmp_path / "empty" if fresh else cache)}
     results = tmp_path / "results"
     proc = subprocess.run([sys.executable, "run.py", "model=tiny_random", *args, f"tracking.results_dir={results}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
@@ -152,6 +154,7 @@ def test_a_run_logs_task_accuracy_paired_with_a_cached_reference(compose, cache,
     assert result.status == "OK", result.error
     m, tags = result.metrics, result.tags
     assert tags["tasks"] == "toy,toy_b" and tags["tasks.reference_cache"] == "miss"
+    assert tags["tasks.source"] == "not the pinned bigbench-1.0.0.tar.gz: test"  # the cache fixture built it
     assert (m["task_toy_examples"], m["task_toy_b_examples"], m["tasks_examples"]) == (8, 5, 13)  # toy_b has 5
     for t in ("toy", "toy_b"):
         n = m[f"task_{t}_examples"]
@@ -246,3 +249,43 @@ def test_llama_cpp_scores_the_same_token_ids_as_transformers(compose, tmp_path, 
     assert res.tags["tasks"] == "facts" and res.tags["tasks.reference_cache"] == "miss"
     assert res.metrics["task_facts_acc"] == sum(peer.acc) / 3 and res.metrics["task_facts_acc_ref"] == sum(ref.acc) / 3
     assert res.metrics["task_facts_examples"] == 3 and 0 < res.metrics["task_facts_acc_mcnemar_p"] <= 1
+
+
+def test_a_registry_that_no_longer_lists_the_sdist_is_one_line_that_says_what_to_do(tmp_path, monkeypatch):
+    """Since 2026-12-05 the registry lists only bigbench 0.0.1: the fetch names what it found and the way out."""
+    import http.server
+    import threading
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"files": [{"filename": "bigbench-0.0.1.tar.gz", "url": "x"}]}).encode()
+            self.send_response(200 if self.path == "/simple/bigbench/" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_port}/simple")
+        with pytest.raises(QuantbenchError) as err:
+            T.download(tmp_path)
+    finally:
+        server.shutdown()
+    msg = str(err.value)
+    assert "\n" not in msg and "no longer lists bigbench-1.0.0.tar.gz (it lists bigbench-0.0.1.tar.gz)" in msg
+    assert "fetch --archive bigbench-1.0.0.tar.gz" in msg and T.TASKS_DIR_ENV in msg
+
+
+def test_the_suite_scores_the_stand_in_tasks_and_a_run_says_so(cache, monkeypatch):
+    """conftest.py points every test at tests/standin_tasks.py's cache; its source never reads as the real sdist."""
+    from standin_tasks import STANDIN, build
+
+    assert T.source() == "not the pinned bigbench-1.0.0.tar.gz: test"  # the `cache` fixture's own tasks
+    root = build(cache / "standin")
+    monkeypatch.setenv(T.TASKS_DIR_ENV, str(root))
+    assert T.data_dir() == root and T.source() == f"not the pinned bigbench-1.0.0.tar.gz: {STANDIN}"
+    assert T.problems(["default"]) == [] and T.problems(["arithmetic_gen"]) != []
+    assert [T.load(n).name for n in T.DEFAULT_TASKS] == list(T.DEFAULT_TASKS)

@@ -283,7 +283,7 @@ def score(lm: Any, plan: Plan, cfg: Any) -> tuple[dict[str, float], dict[str, st
                  t.name, metrics[p], metrics[f"{p}_ref"], metrics[f"{p}_diff"], metrics[f"{p}_right_to_wrong"],
                  metrics[f"{p}_wrong_to_right"], metrics[f"{p}_mcnemar_p"])
     tags = {"tasks": ",".join(t.name for t in plan.tasks), "tasks.framing": FRAMING,
-            "tasks.reference_cache": "hit" if plan.cache_hit else "miss"}
+            "tasks.reference_cache": "hit" if plan.cache_hit else "miss", "tasks.source": T.source()}
     return metrics, tags
 
 

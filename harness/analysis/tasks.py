@@ -3,7 +3,8 @@
 The `bigbench` 1.0.0 source distribution on PyPI (Apache-2.0, ~360 MB) ships every JSON task as
 `bigbench/benchmark_tasks/<task>[/<subtask>]/task.json`. `python -m harness.analysis.tasks fetch` (run by
 `scripts/setup.sh --tasks` and `--all`) downloads it from the package registry, checks its sha256 against the pinned
-`ARCHIVE_SHA256`, and writes into `$QUANTBENCH_CACHE/bigbench-1.0.0/`:
+`ARCHIVE_SHA256`, and writes into `$QUANTBENCH_CACHE/bigbench-1.0.0/` (or `$QUANTBENCH_TASKS_DIR`, a task cache kept
+elsewhere: a shared one, or the test suite's stand-in):
 
 - `index.json`: every task of the archive (1,041 task files, plus the 42 programmatic `task.py` tasks) with
   its kind (multiple_choice, generative, group, programmatic), example and choice counts, and chance;
@@ -13,6 +14,11 @@ The `bigbench` 1.0.0 source distribution on PyPI (Apache-2.0, ~360 MB) ships eve
 Only multiple-choice tasks (every example has `target_scores`) are extracted: they are the ones
 `accuracy.tasks` can score. The archive itself is not kept. Config validation reads only the index, so an
 unknown name, a generative task or a missing fetch is one line before any model loads.
+
+Since 2026-12-05 the registry this project reaches lists only bigbench 0.0.1, so the download fails there with
+one line that says so; `fetch --archive bigbench-1.0.0.tar.gz` builds the cache from a copy of the sdist got
+elsewhere (its sha256 is checked against the same pin), or QUANTBENCH_TASKS_DIR points at a cache built on another
+machine. The test suite never needs the real files: tests/standin_tasks.py builds a stand-in cache.
 
 An example's correct answers are the choices with the highest target score (BIG-bench's
 multiple_choice_grade gives the chosen choice's score; every shipped default task scores 0/1).
@@ -51,8 +57,13 @@ DEFAULT_ALIAS = "default"  # accuracy.tasks=[default] means DEFAULT_TASKS
 _PREFIX = "bigbench/benchmark_tasks/"
 
 
+TASKS_DIR_ENV = "QUANTBENCH_TASKS_DIR"
+
+
 def data_dir() -> Path:
-    return cache_root() / f"bigbench-{VERSION}"
+    """The task cache: $QUANTBENCH_TASKS_DIR when set, else bigbench-1.0.0/ in the quantbench cache."""
+    override = os.environ.get(TASKS_DIR_ENV)
+    return Path(override) if override else cache_root() / f"bigbench-{VERSION}"
 
 
 @dataclass(frozen=True)
@@ -189,11 +200,16 @@ def download(dest: Path) -> Path:
         req = urllib.request.Request(f"{index}/bigbench/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
         with urllib.request.urlopen(req, timeout=60) as resp:
             files = json.loads(resp.read())["files"]
-        url = next(f["url"] for f in files if f["filename"] == ARCHIVE)
+        url = next((f["url"] for f in files if f["filename"] == ARCHIVE), None)
+        if url is None:
+            listed = sorted({f["filename"] for f in files}) or ["nothing"]
+            raise QuantbenchError(f"the registry {index} no longer lists {ARCHIVE} (it lists {', '.join(listed)}); get "
+                                  f"the file elsewhere and run: python -m harness.analysis.tasks fetch --archive {ARCHIVE}"
+                                  f", or point {TASKS_DIR_ENV} at a task cache built on another machine")
         with urllib.request.urlopen(urllib.parse.urljoin(f"{index}/bigbench/", url), timeout=60) as resp, \
                 open(out, "wb") as f:
             shutil.copyfileobj(resp, f, 1 << 20)
-    except (OSError, ValueError, KeyError, StopIteration) as exc:
+    except (OSError, ValueError, KeyError) as exc:
         raise QuantbenchError(f"could not download {ARCHIVE} from {index} ({type(exc).__name__}: {exc}); get the "
                               f"file elsewhere and run: python -m harness.analysis.tasks fetch --archive {ARCHIVE}") from exc
     return out
@@ -212,6 +228,13 @@ def fetch(archive: Path | None = None, force: bool = False) -> Path:
                                   "or a damaged file; fetch again (without --archive it is downloaded)")
         build_cache(archive_members(path), root, digest)
     return root
+
+
+def source(root: Path | None = None) -> str:
+    """Where the task cache came from, as a run's tag `tasks.source`: the pinned sdist, or what else built it."""
+    index = read_index(root) or {}
+    digest = str(index.get("archive_sha256", "?"))
+    return f"{ARCHIVE} (sha256 pinned)" if digest == ARCHIVE_SHA256 else f"not the pinned {ARCHIVE}: {digest}"
 
 
 def read_index(root: Path | None = None) -> dict | None:

@@ -103,6 +103,16 @@ def summary(times: list[float], mods: int, how: str) -> tuple[dict[str, float], 
             {"kernel.floor": f"{how}: {mods} linears, one row each, median of {len(times)} {what}"})
 
 
+def pass_of(mods: list[tuple[Any, int]], xs: dict[int, Any]) -> Callable[[], list[Any]]:
+    """One call of each linear module on its one-row input. The outputs are returned: a compiled pass whose
+    outputs were dropped would be dead code to inductor, which then removes every matmul and times nothing."""
+
+    def one_pass() -> list[Any]:
+        return [mod(xs[k]) for mod, k in mods]
+
+    return one_pass
+
+
 def compiled_pass(one_pass: Callable[[], Any], inductor: dict[str, Any]) -> Callable[[], Any]:
     """`one_pass` through torch.compile (mode default: the CUDA graph is ours) with the step's inductor flags.
 
@@ -130,11 +140,7 @@ def linear_floor(model: Any, dtype: Any, device: str, gemv_aten: bool = False, r
     if not mods:
         return {}, {"kernel.floor": "no linear modules found"}
     repeats = repeats or (CUDA_REPEATS if device.startswith("cuda") else CPU_REPEATS)
-    xs = {k: torch.randn(1, 1, k, dtype=dtype, device=device) for k in {k for _, k in mods}}
-
-    def one_pass() -> None:
-        for mod, k in mods:
-            mod(xs[k])
+    one_pass = pass_of(mods, {k: torch.randn(1, 1, k, dtype=dtype, device=device) for k in {k for _, k in mods}})
 
     grad = torch.no_grad() if getattr(model, "quantbench_grad_mode", "") == "no_grad" else torch.inference_mode()
     try:
