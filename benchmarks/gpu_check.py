@@ -279,14 +279,24 @@ def run_subprocess(cell: Cell, out: Path) -> tuple[int | None, str, dict | None]
 
 
 def run_cells(cells: list[Cell], out: Path, budget_s: float,
-              runner: Callable[[Cell, Path], tuple[int | None, str, dict | None]] = run_subprocess) -> list[Row]:
-    """Run each cell; none starts after `budget_s` and none runs past it (a cell gets at least 60 s)."""
+              runner: Callable[[Cell, Path], tuple[int | None, str, dict | None]] = run_subprocess,
+              elapsed_s: float = 0.0, on_row: Callable[[list[Row]], None] | None = None,
+              clock: Callable[[], float] = time.monotonic) -> list[Row]:
+    """Run each cell; none starts after `budget_s` and none runs past it. `elapsed_s`: what the budget already
+    spent before the first cell (gpu_check.sh's installs: the clock starts with the device call). A cell starts
+    only with at least 60 s and its own estimate left: one cut off mid-compile measures nothing and spends the
+    time another cell could use. `on_row(rows)` after every row (gpu_check writes the table as it goes)."""
     rows: list[Row] = []
-    start = time.monotonic()
+    start = clock() - elapsed_s
     for cell in cells:
-        left = budget_s - (time.monotonic() - start)
-        if left < 60:
-            rows.append(Row(cell=cell.name, status="SKIPPED", error=f"time budget of {budget_s:.0f} s spent"))
+        left = budget_s - (clock() - start)
+        need = max(60, cell.estimate_s)
+        if left < need:
+            why = f"time budget of {budget_s:.0f} s spent" if left < 60 else \
+                f"{left:.0f} s of the {budget_s:.0f} s budget left, under its estimate of {cell.estimate_s} s"
+            rows.append(Row(cell=cell.name, status="SKIPPED", error=why))
+            if on_row:
+                on_row(rows)
             continue
         cell = replace(cell, timeout_s=int(min(cell.timeout_s, left)))
         print(f"[gpu_check] {cell.name}: {cell.what}", flush=True)
@@ -298,7 +308,24 @@ def run_cells(cells: list[Cell], out: Path, budget_s: float,
         row = row_from(cell.name, code, log, result, time.monotonic() - t0, cell.timeout_s)
         print(f"[gpu_check] {cell.name}: {row.status} {row.error}".rstrip(), flush=True)
         rows.append(row)
+        if on_row:
+            on_row(rows)
     return rows
+
+
+def pack(work: Path, out: Path) -> Path:
+    """`out/cells.tar.gz`: the cells' result JSONs, logs and Hydra folders of `work`, in one file. The device
+    tool returns at most 8 files from $OUT and none more than two folders down, so with --flat the cells run in
+    `work` and come back packed (written whole, then renamed: a kill never leaves half a file)."""
+    import tarfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = work / "cells.tar.gz.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for sub in ("cells", "logs", "hydra"):
+            if (work / sub).exists():
+                tar.add(work / sub, arcname=sub)
+    return Path(shutil.move(str(tmp), out / "cells.tar.gz"))
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -404,6 +431,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="start no cell after this many seconds (the rest are SKIPPED rows)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing (no GPU needed)")
+    ap.add_argument("--flat", action="store_true",
+                    help="OUT gets only table.md/.json, cells.tar.gz and the suite report (<= 5 files: the device "
+                         "tool returns 8 files, 2 folders deep); the cells run in --work")
+    ap.add_argument("--work", default="/tmp/qb-gpu-work", help="with --flat: where the cells run (default %(default)s)")
     ap.add_argument("--smoke", action="store_true", help="only the fp16 cell, 8 tokens, one pass (seconds); with "
                                                          "--suite its cheapest cell")
     ap.add_argument("--bundle", action="store_true",
@@ -536,7 +567,7 @@ def make_bundle(dest: Path = BUNDLE, wheels_only: bool = False, with_mslk: bool 
         mib = sum(f.stat().st_size for f in wheels.iterdir()) / 2**20
         print(f"bundle in {rel}: wheels {mib:.1f} MiB, no model (--wheels-only)")
         print(f"device call (one carry < 64 MiB), per part N of 1-{SUITE_PARTS}:")
-        print(f"  carry [{rel}/wheels], command: bash benchmarks/gpu_check.sh $OUT --suite {SUITE}:N "
+        print(f"  carry [{rel}/wheels], command: bash benchmarks/gpu_check.sh $OUT --flat --suite {SUITE}:N "
               f"--budget-s {PART_BUDGET_S}")
         return
     from importlib.util import find_spec
@@ -579,22 +610,33 @@ def main(argv: list[str] | None = None) -> int:
     header = device_header()
     if args.suite:
         header["suite"] = args.suite
-    rows = run_cells(args.cells, out, args.budget_s)
+    work = Path(args.work).resolve() if args.flat else out
+    t0 = os.environ.get("QB_GPU_CHECK_T0", "")  # gpu_check.sh's start: its installs count against the budget
+    elapsed = max(0.0, time.time() - float(t0)) if t0.replace(".", "", 1).isdigit() else 0.0
+    header["budget"] = f"{args.budget_s:.0f} s from the script's start ({elapsed:.0f} s spent before the first cell)"
+
+    def flush(rows: list[Row]) -> None:  # the table (and the packed cells) after every cell: a kill keeps them
+        write_table(rows, out, header)
+        if work != out:
+            pack(work, out)
+
+    rows = run_cells(args.cells, work, args.budget_s, elapsed_s=elapsed, on_row=flush)
     md, js = write_table(rows, out, header)
     print(md.read_text())
-    print(f"table: {md} and {js}")
+    print(f"table: {md} and {js}" + (f"; cells packed in {out / 'cells.tar.gz'}" if work != out else ""))
     if args.suite:
-        suite_report(out)
+        suite_report(work, out)
     return 0 if all(r.status == "OK" for r in rows) else 1
 
 
-def suite_report(out: Path) -> None:
-    """gpu_scaling.md and .png in `out` from its cells' results (harness/analysis/gpu_scaling.py); a problem
-    here is one line, never the end of the run: the table is already written."""
+def suite_report(work: Path, out: Path | None = None) -> None:
+    """gpu_scaling.md and .png in `out` (default `work`) from the cells' results in `work`
+    (harness/analysis/gpu_scaling.py); a problem here is one line, never the end of the run: the table is
+    already written."""
     try:
         from harness.analysis import gpu_scaling
 
-        gpu_scaling.main([str(out / "cells"), "--out", str(out)])
+        gpu_scaling.main([str(work / "cells"), "--out", str(out or work)])
     except Exception as exc:  # noqa: BLE001 - e.g. no cell ran OK, or no matplotlib on the machine
         print(f"[gpu_check] no gpu_scaling report: {type(exc).__name__}: {one_line(exc)}", flush=True)
 

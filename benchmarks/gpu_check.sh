@@ -3,7 +3,7 @@
 # model, one process per cell, table to OUT (default results/gpu_check). First run on an H200 on 2026-12-04 (docs/gpu.md).
 #   bash benchmarks/gpu_check.sh [OUT] [--only fp16,gptq_int4] [--budget-s 540] [--dry-run] [--smoke]
 #   bash benchmarks/gpu_check.sh --bundle     # where a registry is reachable: what the lent GPU machine lacks
-#   bash benchmarks/gpu_check.sh OUT --suite gpu_scaling:N --budget-s 540   # part N of the gpu_scaling suite:
+#   bash benchmarks/gpu_check.sh OUT --suite gpu_scaling:N --budget-s 540 [--flat]  # part N of the gpu_scaling suite:
 #        random shapes, no model, so a bundle made with --bundle --wheels-only (no model/ parts) is enough
 # The Python environment, the first that applies:
 #   1. $QB_PYTHON, or .venv/bin/python when its torch sees a CUDA device;
@@ -13,6 +13,8 @@
 #   3. scripts/setup.sh (needs a package registry): .venv with PyPI's CUDA build of torch.
 # --dry-run prints what it would install and run, and runs nothing (no GPU needed).
 set -euo pipefail
+# the time budget (--budget-s) counts from here: the installs below spend the device call's time too
+export QB_GPU_CHECK_T0=${QB_GPU_CHECK_T0:-$(date +%s)}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DRY=0
 SUITE=0
@@ -74,10 +76,20 @@ elif [ -d "$BUNDLE/wheels" ]; then
   PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target "$SITE")
   do_ "${PIP[@]}" "$BUNDLE"/wheels/*.whl
   # mslk (torchao's int4 preshuffled/plain kernels), when a separate carry brought it (gpu_check.py --with-mslk)
+  mslk=absent
   for whl in "$BUNDLE"/mslk/*.whl; do
     [ -e "$whl" ] || continue
-    do_ "${PIP[@]}" "$whl" || echo "gpu_check: warning: $(basename "$whl") did not install; int4 runs tinygemm"
+    mslk=installed
+    do_ "${PIP[@]}" "$whl" || { mslk="did not install"; echo "gpu_check: warning: $(basename "$whl") did not install"; }
   done
+  # torchao imports mslk whenever it is importable: one that cannot load would take every torchao cell down
+  # (int8 too), so a broken one is removed and int4 runs tinygemm
+  if [ "$DRY" = 0 ] && [ "$mslk" = installed ] &&
+     ! PYTHONPATH=$SITE "$PY" -c "import mslk, torchao.quantization" >/dev/null 2>&1; then
+    rm -rf "$SITE"/mslk*
+    mslk="installed but does not import with this torch: removed"
+  fi
+  echo "gpu_check: mslk (torchao int4 preshuffled/plain): $mslk"
   # PyPcre (gptqmodel imports it) is C and PyPI has no wheel of it: built here; if that fails only GPTQ fails
   for sdist in "$BUNDLE"/wheels/*.tar.gz; do
     [ -e "$sdist" ] || continue

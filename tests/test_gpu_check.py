@@ -201,3 +201,45 @@ def test_bundle_helpers_prune_a_wheel_and_split_a_file(tmp_path):
     parts = gpu_check.split_file(tmp_path / "m.gguf", tmp_path / "parts", 1000)
     assert [p.stat().st_size for p in parts] == [1000, len(blob) - 1000]
     assert b"".join(p.read_bytes() for p in parts) == blob
+
+
+def test_the_budget_counts_from_the_scripts_start_and_skips_a_cell_it_cannot_finish(tmp_path):
+    """`elapsed_s` (the installs before the first cell) is spent budget; a cell whose estimate no longer fits is
+    SKIPPED with both numbers rather than killed mid-compile; the table is written after every row."""
+    part1 = [c for c in gpu_check.SUITE_CELLS if c.part == 1]
+    assert [c.name for c in part1][:3] == ["8b-fp16", "8b-int8", "8b-int4"]  # the done-when's cells first
+    ran, flushed, now = [], [], [0.0]
+
+    def runner(cell, out):  # each cell takes exactly its estimate on a fake clock
+        ran.append(cell.name)
+        now[0] += cell.estimate_s
+        return 0, "", None
+
+    rows = gpu_check.run_cells(part1, tmp_path, budget_s=420, elapsed_s=420 - sum(c.estimate_s for c in part1[:3]) - 70,
+                               runner=runner, on_row=lambda rs: flushed.append(len(rs)), clock=lambda: now[0])
+    assert ran == [c.name for c in part1[:3]] and flushed == list(range(1, len(part1) + 1))
+    skipped = rows[3]
+    assert skipped.status == "SKIPPED" and f"under its estimate of {part1[3].estimate_s} s" in skipped.error
+    assert gpu_check.run_cells(part1, tmp_path, budget_s=420, elapsed_s=400, runner=lambda c, o: 1 / 0)[0].error \
+        == "time budget of 420 s spent"
+
+
+def test_flat_output_is_few_shallow_files_with_the_cells_packed(tmp_path):
+    """The device tool returns at most 8 files from $OUT, none more than two folders down: --flat keeps the
+    cells' folders in --work and packs them into cells.tar.gz beside the table."""
+    import tarfile
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    run = work / "cells" / "8b-fp16" / "runs" / "x.json"
+    run.parent.mkdir(parents=True)
+    run.write_text("{}")
+    (work / "logs").mkdir()
+    (work / "logs" / "8b-fp16.log").write_text("ok\n")
+    packed = gpu_check.pack(work, out)
+    gpu_check.write_table([gpu_check.Row(cell="8b-fp16", status="OK")], out, {"gpu": "NVIDIA H200"})
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == ["cells.tar.gz", "table.json", "table.md"] and packed == out / "cells.tar.gz"
+    with tarfile.open(packed) as tar:
+        assert sorted(tar.getnames()) == ["cells", "cells/8b-fp16", "cells/8b-fp16/runs", "cells/8b-fp16/runs/x.json",
+                                          "logs", "logs/8b-fp16.log"]
+    assert not list(work.glob("*.tmp"))

@@ -182,6 +182,21 @@ def use_packed_gqa(model: Any) -> bool:
     return True
 
 
+def init_profiler_for_cuda_graphs() -> bool:
+    """Start CUPTI before any CUDA graph is captured. The kernel profile (harness/measure/kernels.py) profiles
+    replays of graphs captured earlier; PyTorch's docs warn that a profiler first started after a capture can
+    hang or crash on some CUDA versions, and name this call as the fix. False where the hook is missing."""
+    init = getattr(getattr(torch.profiler, "_utils", None), "_init_for_cuda_graphs", None)
+    if init is None:
+        return False
+    try:
+        init()
+    except Exception as exc:  # noqa: BLE001 - the profile is a side measurement; it says so when it fails
+        log.warning("profiler init for CUDA graphs failed: %s", exc)
+        return False
+    return True
+
+
 class FastPath:
     """A compiled decode step plus the fixed-size static caches it needs (see module docstring)."""
 
@@ -198,6 +213,8 @@ class FastPath:
         self.packed_gqa = use_packed_gqa(model)  # before compiling: dynamo traces the attention it finds
         self.device, self.max_cache_len, self.mode = device, max_cache_len, mode
         self.cudagraphs = device.startswith("cuda") and mode == "reduce-overhead"
+        if self.cudagraphs:
+            init_profiler_for_cuda_graphs()
         self.compile_s = 0.0
         self.compiled_graphs = 0
         self._caches: dict[int, Any] = {}

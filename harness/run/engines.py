@@ -155,8 +155,11 @@ class TransformersSession(Session):
             tags.update(fl_tags)
             cpu_wall = fl_metrics.get("linear_floor_ms") if self.device.startswith("cpu") else None  # one pass on CPU
             # the kernel's own streaming rate: every weight matrix once at one row (harness/measure/one_row.py)
-            metrics.update(one_row.stream_rate(self.model, self.model.dtype, self.device, opts.gemv_aten,
-                                               wall_ms=cpu_wall))
+            try:  # a side measurement, as the floor is: it never fails a run whose speed is already measured
+                metrics.update(one_row.stream_rate(self.model, self.model.dtype, self.device, opts.gemv_aten,
+                                                   wall_ms=cpu_wall))
+            except Exception as exc:  # noqa: BLE001
+                tags["kernel.stream"] = f"failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
         return metrics, tags
 
     def end_decoding(self) -> None:
