@@ -346,3 +346,26 @@ def test_the_compiled_floor_pass_keeps_every_matmul():
         got, code = run_and_get_code(floor.compiled_pass(one_pass, {}))
     assert len(got) == 2 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, eager, strict=True))
     assert code and any("mm" in c or "gemm" in c or "addmm" in c for c in code), code
+
+
+def test_peak_memory_is_read_before_the_side_measurements_and_a_failed_stream_rate_is_a_tag(monkeypatch, tmp_path):
+    """The floor row's graph pool and an eager dequantizing profile step must not count as the run's peak memory;
+    the stream rate, like the floor, is a side measurement: its failure is a tag, the run stays OK."""
+    from harness.config import build, compose
+    from harness.run import engines, pipeline, runner
+
+    peak = [123.0]
+
+    def floor_allocates(*a, **k):
+        peak[0] = 99_999.0  # what the profile and floor passes would add
+        return {}, {}
+
+    monkeypatch.setattr(pipeline.measure, "peak_memory_mb", lambda device: peak[0])
+    monkeypatch.setattr(engines.floor, "linear_floor", floor_allocates)
+    monkeypatch.setattr(engines.one_row, "stream_rate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no\nmore")))
+    result = runner.execute(build(compose(["model=tiny_random", "quantizer=bf16", "measure.max_new_tokens=4",
+                                           "measure.repetitions=1", "measure.warmup=0", "accuracy.enabled=false",
+                                           "tracking.enabled=false", f"tracking.results_dir={tmp_path}"])))
+    assert result.status == "OK", result.error
+    assert result.metrics["peak_mem_mb"] == 123.0 and peak[0] == 99_999.0  # the floor ran, after the reading
+    assert result.tags["kernel.stream"] == "failed: no" and "kernel_stream_gb" not in result.metrics

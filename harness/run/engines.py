@@ -159,7 +159,7 @@ class TransformersSession(Session):
                 metrics.update(one_row.stream_rate(self.model, self.model.dtype, self.device, opts.gemv_aten,
                                                    wall_ms=cpu_wall))
             except Exception as exc:  # noqa: BLE001
-                tags["kernel.stream"] = f"failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+                tags["kernel.stream"] = f"failed: {floor.first_line(exc)}"
         return metrics, tags
 
     def end_decoding(self) -> None:

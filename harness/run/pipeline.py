@@ -177,13 +177,16 @@ class Pipeline:
         metrics.update(workloads.metrics(wl, gens, self.session.model_config, metrics.get("params")))
         self.tags.update(workloads.record(wl))
         metrics.update(exp.strategy.metrics(gens))
+        # peak memory of loading and timing, read before the side measurements below: the floor row's graph pool
+        # and an eager dequantizing profile step (torchao int8 on CUDA) would add their transients to it
+        peak = measure.peak_memory_mb(self.device)
         if m.kernel_profile:  # which linear kernel really ran (tag kernel.linear), outside the timing
             first = self.batches[0]
             self._add(self.session.kernel_profile(first, self.opts_for(first), self.log_file))
             # the step against its floor row: linear layers' share and the rest (harness/measure/floor.py)
             self._add(floor.floor_report(floor.decode_step_ms(metrics), metrics.get("linear_floor_ms")))
         self.end_decoding()
-        metrics["peak_mem_mb"] = measure.peak_memory_mb(self.device)
+        metrics["peak_mem_mb"] = peak
         self.roofline(gens)  # after peak memory: the first bandwidth measurement allocates ~1 GB
         if metrics.get("decode_tokens_per_s_cv", 0.0) > m.cv_warn:
             self.tags["warning.spread"] = (f"decode tokens/s CV {metrics['decode_tokens_per_s_cv']:.1%} > "
