@@ -36,7 +36,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from harness.measure import compile_diag, cuda_kernels, sync  # noqa: E402
-from harness.measure.fast_path import init_profiler_for_cuda_graphs  # noqa: E402
 from quantizers import gpu_paths  # noqa: E402
 from quantizers.base import module_bytes  # noqa: E402
 
@@ -272,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.device.startswith("cuda"):
-        init_profiler_for_cuda_graphs()  # before any capture: the kernel profile replays captured graphs
+        cuda_kernels.init_profiler_for_cuda_graphs()  # before any capture: the kernel profile replays captured graphs
     env, rows, t0 = environment(a.device), [], time.perf_counter()
     print(json.dumps(env, indent=1), flush=True)
     dims = shape(a.shape)

@@ -369,3 +369,23 @@ def test_peak_memory_is_read_before_the_side_measurements_and_a_failed_stream_ra
     assert result.status == "OK", result.error
     assert result.metrics["peak_mem_mb"] == 123.0 and peak[0] == 99_999.0  # the floor ran, after the reading
     assert result.tags["kernel.stream"] == "failed: no" and "kernel_stream_gb" not in result.metrics
+
+
+def test_cupti_starts_before_any_cuda_graph_capture(monkeypatch):
+    """A reduce-overhead fast path on CUDA starts the profiler's CUDA side first (the kernel profile replays graphs
+    captured earlier); on CPU it does not; a missing or failing hook is False, never an error."""
+    import torch.profiler._utils as prof_utils
+
+    from harness.measure import cuda_kernels, fast_path
+
+    calls = []
+    monkeypatch.setattr(cuda_kernels, "init_profiler_for_cuda_graphs", lambda: calls.append(1) or True)
+    monkeypatch.setattr(fast_path, "use_packed_gqa", lambda model: False)
+    fast_path.FastPath(torch.nn.Linear(2, 2), device="cuda", max_cache_len=8, mode="reduce-overhead")
+    fast_path.FastPath(torch.nn.Linear(2, 2), device="cpu", max_cache_len=8, mode="default")
+    assert calls == [1]
+    monkeypatch.undo()
+    monkeypatch.setattr(prof_utils, "_init_for_cuda_graphs", lambda: (_ for _ in ()).throw(RuntimeError("no CUPTI")))
+    assert cuda_kernels.init_profiler_for_cuda_graphs() is False
+    monkeypatch.delattr(prof_utils, "_init_for_cuda_graphs")
+    assert cuda_kernels.init_profiler_for_cuda_graphs() is False

@@ -20,8 +20,10 @@ vocabulary dimension), so its gemv is counted with the body's, usually under the
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+log = logging.getLogger("quantbench")
 Row = tuple[str, float, int]  # (raw kernel name, self device time in us, calls)
 
 # Attention and its helpers win over the linear markers: FlashAttention 3 is a CUTLASS kernel
@@ -140,3 +142,20 @@ def device_rows(averages: Any) -> list[Row]:
             us = getattr(e, "self_cuda_time_total", 0)
         rows.append((str(e.key), float(us), int(e.count)))
     return rows
+
+
+def init_profiler_for_cuda_graphs() -> bool:
+    """Start CUPTI before any CUDA graph is captured. The kernel profile (harness/measure/kernels.py) profiles
+    replays of graphs captured earlier; PyTorch's docs warn that a profiler first started after a capture can
+    hang or crash on some CUDA versions, and name this call as the fix. False where the hook is missing."""
+    import torch.profiler
+
+    init = getattr(getattr(torch.profiler, "_utils", None), "_init_for_cuda_graphs", None)
+    if init is None:
+        return False
+    try:
+        init()
+    except Exception as exc:  # noqa: BLE001 - the profile is a side measurement; it says so when it fails
+        log.warning("profiler init for CUDA graphs failed: %s", exc)
+        return False
+    return True

@@ -48,7 +48,7 @@ import torch
 from harness import env, measure  # env.cpu_info looked up per call: tests patch it
 from harness.config import COMPILE_MODES
 from harness.errors import QuantbenchError
-from harness.measure import near_tie
+from harness.measure import cuda_kernels, near_tie
 from harness.measure.near_tie import NEAR_TIE_ULPS, ulp  # noqa: F401 - shared with speculative decoding; ulp re-exported
 from harness.measure.near_tie import first_diff as _first_diff
 
@@ -182,21 +182,6 @@ def use_packed_gqa(model: Any) -> bool:
     return True
 
 
-def init_profiler_for_cuda_graphs() -> bool:
-    """Start CUPTI before any CUDA graph is captured. The kernel profile (harness/measure/kernels.py) profiles
-    replays of graphs captured earlier; PyTorch's docs warn that a profiler first started after a capture can
-    hang or crash on some CUDA versions, and name this call as the fix. False where the hook is missing."""
-    init = getattr(getattr(torch.profiler, "_utils", None), "_init_for_cuda_graphs", None)
-    if init is None:
-        return False
-    try:
-        init()
-    except Exception as exc:  # noqa: BLE001 - the profile is a side measurement; it says so when it fails
-        log.warning("profiler init for CUDA graphs failed: %s", exc)
-        return False
-    return True
-
-
 class FastPath:
     """A compiled decode step plus the fixed-size static caches it needs (see module docstring)."""
 
@@ -214,7 +199,7 @@ class FastPath:
         self.device, self.max_cache_len, self.mode = device, max_cache_len, mode
         self.cudagraphs = device.startswith("cuda") and mode == "reduce-overhead"
         if self.cudagraphs:
-            init_profiler_for_cuda_graphs()
+            cuda_kernels.init_profiler_for_cuda_graphs()
         self.compile_s = 0.0
         self.compiled_graphs = 0
         self._caches: dict[int, Any] = {}
