@@ -264,6 +264,7 @@ def run_subprocess(cell: Cell, out: Path) -> tuple[int | None, str, dict | None]
     """Run one cell as its own process; (exit code or None on timeout, its output, its result JSON)."""
     log_path = out / "logs" / f"{cell.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "cells" / cell.name, ignore_errors=True)  # an earlier run's JSON is never this cell's result
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cell_command(cell, out), cwd=ROOT, env=cell_env(), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -590,18 +591,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.bundle:
         make_bundle(wheels_only=args.wheels_only, with_mslk=args.with_mslk)
         return 0
+    work = Path(args.work).resolve() if args.flat else out
     if args.dry_run:
         for part in sorted({c.part for c in args.cells}):
             cells = [c for c in args.cells if c.part == part]
             if part:
                 print(f"# part {part}: {len(cells)} cell(s), ~{sum(c.estimate_s for c in cells)} s estimated (not "
-                      f"measured; budget {PART_BUDGET_S} s): bash benchmarks/gpu_check.sh $OUT --suite {SUITE}:{part} "
-                      f"--budget-s {PART_BUDGET_S}")
+                      f"measured; budget {args.budget_s:.0f} s): bash benchmarks/gpu_check.sh $OUT --suite {SUITE}:{part} "
+                      f"--budget-s {args.budget_s:.0f}" + (" --flat" if args.flat else ""))
             for cell in cells:
                 print(f"# {cell.name} (timeout {cell.timeout_s} s): {cell.what}")
-                print(" ".join(cell_command(cell, out)))
+                print(" ".join(cell_command(cell, work)))
         print(f"# then: {out / 'table.md'} and {out / 'table.json'}"
-              + (f", {out / 'gpu_scaling.md'} and {out / 'gpu_scaling.png'}" if args.suite else ""))
+              + (f", {out / 'gpu_scaling.md'} and {out / 'gpu_scaling.png'}" if args.suite else "")
+              + (f", {out / 'cells.tar.gz'} (the cells of {work})" if work != out else ""))
         return 0
     problem = cuda_problem()
     if problem:
@@ -610,7 +613,6 @@ def main(argv: list[str] | None = None) -> int:
     header = device_header()
     if args.suite:
         header["suite"] = args.suite
-    work = Path(args.work).resolve() if args.flat else out
     t0 = os.environ.get("QB_GPU_CHECK_T0", "")  # gpu_check.sh's start: its installs count against the budget
     elapsed = max(0.0, time.time() - float(t0)) if t0.replace(".", "", 1).isdigit() else 0.0
     header["budget"] = f"{args.budget_s:.0f} s from the script's start ({elapsed:.0f} s spent before the first cell)"
