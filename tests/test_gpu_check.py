@@ -243,3 +243,25 @@ def test_flat_output_is_few_shallow_files_with_the_cells_packed(tmp_path):
         assert sorted(tar.getnames()) == ["cells", "cells/8b-fp16", "cells/8b-fp16/runs", "cells/8b-fp16/runs/x.json",
                                           "logs", "logs/8b-fp16.log"]
     assert not list(work.glob("*.tmp"))
+
+
+def _ok(fast_path: str) -> dict:
+    return {"status": "OK", "metrics": {"decode_tokens_per_s": 100.0}, "tags": {"kernel.linear": "k", "fast_path": fast_path}}
+
+
+@pytest.mark.parametrize("first, hedge_runs", [
+    ((0, "", _ok("compiled")), False),
+    ((0, "", _ok("eager-fallback")), True),  # mslk's kernel did not capture: the number would be eager's
+    ((1, "", {"status": "FAILED", "error": "RuntimeError: mslk"}), True),
+])
+def test_the_int4_hedge_runs_only_where_8b_int4_did_not_run_compiled(tmp_path, first, hedge_runs):
+    cells = [c for c in gpu_check.SUITE_CELLS if c.name in ("8b-int4", "8b-int4-tinygemm")]
+    ran = []
+
+    def runner(cell, out):
+        ran.append(cell.name)
+        return first if cell.name == "8b-int4" else (0, "", _ok("compiled"))
+
+    rows = gpu_check.run_cells(cells, tmp_path, budget_s=10_000, runner=runner)
+    assert ran == (["8b-int4", "8b-int4-tinygemm"] if hedge_runs else ["8b-int4"])
+    assert rows[1].status == "OK" if hedge_runs else rows[1].error == "not needed: 8b-int4 ran compiled"
