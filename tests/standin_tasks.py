@@ -15,17 +15,17 @@ from pathlib import Path
 from harness.analysis import tasks as T
 
 STANDIN = "stand-in (tests/standin_tasks.py)"
-WORDS = ["red", "blue", "green", "seven", "Paris", "a cat", "the sea", "no", "winter", "a river", "yes", "three"]
+WORDS = ["red", "blue", "green", "seven", "Paris", "a cat", "the sea", "no"]
 
 
-def mc_task(name: str, n: int, seed: int = 0) -> dict:
-    """A BIG-bench-style multiple-choice task: 2-4 choices per example, one example with two right answers."""
+def mc_task(n: int, seed: int = 0, name: str = "toy") -> dict:
+    """A BIG-bench-style multiple-choice task: 2-4 choices, one example with two right answers."""
     examples = []
     for i in range(n):
         k = 2 + (i + seed) % 3
         choices = [WORDS[(i * 3 + j + seed) % len(WORDS)] + ("" if j else " ") for j in range(k)]
-        examples.append({"input": f"Question {i}: which one fits {WORDS[(i + seed) % len(WORDS)]}? ",
-                         "target_scores": {c: int(j == i % k) for j, c in enumerate(choices)}})
+        scores = {c: int(j == i % k) for j, c in enumerate(choices)}
+        examples.append({"input": f"Question {i}: which one fits {WORDS[i % len(WORDS)]}? ", "target_scores": scores})
     examples[1]["target_scores"] = {c: 1 if j < 2 else 0 for j, c in enumerate(examples[1]["target_scores"])}
     return {"name": name, "examples": examples}
 
@@ -34,7 +34,7 @@ def build(root: Path, n: int = 24) -> Path:
     """The stand-in cache in `root`: each default task with `n` examples, plus a generative and a programmatic
     task, as a real cache has them. Returns `root`."""
     members: list[tuple[str, bytes | None]] = [
-        (name, json.dumps(mc_task(name, n, seed)).encode()) for seed, name in enumerate(T.DEFAULT_TASKS)]
+        (name, json.dumps(mc_task(n, seed, name)).encode()) for seed, name in enumerate(T.DEFAULT_TASKS)]
     members += [("arithmetic_gen", json.dumps({"examples": [{"input": "2+2=", "target": "4"}]}).encode()),
                 ("program_task", None)]
     T.build_cache(members, root, STANDIN)

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from conftest import FAST, ROOT
+from standin_tasks import mc_task as _mc  # BIG-bench-shaped multiple choice
 
 from harness.analysis import task_accuracy as ta
 from harness.analysis import tasks as T
@@ -21,20 +22,6 @@ from harness.config import build
 from harness.errors import ConfigError, QuantbenchError
 from harness.records import tracking
 from harness.run import runner
-
-
-def _mc(n: int, seed: int = 0) -> dict:
-    """A BIG-bench-style multiple-choice task: 2-4 choices, one example with two right answers."""
-    words = ["red", "blue", "green", "seven", "Paris", "a cat", "the sea", "no"]
-    examples = []
-    for i in range(n):
-        k = 2 + (i + seed) % 3
-        choices = [words[(i * 3 + j + seed) % len(words)] + ("" if j else " ") for j in range(k)]
-        scores = {c: int(j == i % k) for j, c in enumerate(choices)}
-        examples.append({"input": f"Question {i}: which one fits {words[i % len(words)]}? ", "target_scores": scores})
-    examples[1]["target_scores"] = {c: 1 if j < 2 else 0 for j, c in enumerate(examples[1]["target_scores"])}
-    return {"name": "toy", "examples": examples}
-
 
 TASKS = {
     "toy": _mc(12),

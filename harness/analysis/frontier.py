@@ -34,7 +34,6 @@ from harness.analysis import intervals
 from harness.metrics import HEADLINE
 from harness.metrics import value as _num
 from harness.records.rows import group as _group
-from harness.records.rows import machine_key
 
 ALPHA = 0.05  # significance level of the Holm-corrected task-accuracy test
 KL_LIMIT = 0.01  # nats: "within KL 0.01" in the recommendation lines
@@ -128,7 +127,7 @@ def points(rows: list[dict], baseline: str, probes: list[dict] | None = None) ->
         (tps, p10, p90), ref = _speed(m, again.get(t.get("config_hash"))), base.get((r["machine"], _group(r)))
         if not ref:
             continue  # no baseline cell for this model/strategy/batch: no speedup to draw
-        pt = Point(cell=r["cell"], fmt=r["quantizer"], kernel=_kernel(t), machine=machine_key(t), group=_group(r),
+        pt = Point(cell=r["cell"], fmt=r["quantizer"], kernel=_kernel(t), machine=r["machine"], group=_group(r),
                    tps=tps, speedup=tps / ref, lo=p10 / half / ref, hi=p90 * half / ref,
                    weight_bytes=_num(m, "weight_bytes"), kl=_num(m, "kl_div_mean"), kl_lo=_num(m, "kl_div_mean_lo"),
                    kl_hi=_num(m, "kl_div_mean_hi"))

@@ -119,9 +119,10 @@ def stream_rate(model: Any, dtype: torch.dtype, device: str, gemv_aten: bool, re
     kernel_s = sum(e.self_cpu_time_total for e in prof.key_averages() if is_linear_op(e.key)) / 1e6
     total = float(sum(b for _, _, b in mats))
     out = {"kernel_stream_gb": total / GB, "kernel_stream_wall_ms": wall * 1e3}
-    # on a GPU an op's self CPU time is its launch, not its kernel: no kernel rate from it (the floor row,
-    # harness/measure/floor.py, times the kernels themselves in one CUDA graph)
-    if kernel_s > 0 and not device.startswith("cuda"):  # a compiled or opaque kernel the profiler cannot see leaves only the wall time
+    # A compiled or opaque kernel the profiler cannot see leaves only the wall time. On a GPU an op's self CPU time
+    # is its launch, not its kernel: no kernel rate from it (the floor row, harness/measure/floor.py, times the
+    # kernels themselves in one CUDA graph).
+    if kernel_s > 0 and not device.startswith("cuda"):
         out.update({"kernel_stream_gbps": total / kernel_s / GB, "kernel_stream_ms": kernel_s * 1e3})
     return out
 
