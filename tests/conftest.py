@@ -107,7 +107,8 @@ def _pin_worker(workerinput: dict) -> None:
 def pytest_xdist_make_scheduler(config, log):
     """How `make test`'s xdist workers share the suite: one module at a time, so a module's fixtures (the embedded
     model's runs, reference models) are built once, not once per worker; but tests/test_docs.py, the longest module,
-    command by command, except that the commands serving on the fixed port 5000 go to one worker (never together).
+    command by command, except that the commands serving on the fixed port 5000 go to one worker (never together),
+    and so do the commands that log to a live MLflow server (test_docs.py's `live_mlflow`: one server start, not two).
 
     (pytest-xdist's own `--dist loadgroup` would do the grouping from marks, but its group suffix on the node id has
     no effect under pytest 9: measured, the marked tests still went to both workers.)
@@ -119,6 +120,8 @@ def pytest_xdist_make_scheduler(config, log):
             path, _, rest = nodeid.partition("::")
             if not path.endswith("tests/test_docs.py") or not rest.startswith("test_documented_command_runs["):
                 return path
-            return "docs-port5000" if ("make ui" in rest or "harness.records.server" in rest) else nodeid
+            if "harness.records.server" in rest:
+                return "docs-port5000"
+            return "docs-live-mlflow" if "http://127.0.0.1:5000" in rest else nodeid
 
     return ModulesAndDocCommands(config, log)

@@ -30,7 +30,9 @@ from harness.sweep.cell import run_cell
 from harness.sweep.parent import finish_sweep, mark_stale, open_parent_run
 from harness.sweep.settings import FAULT_ENV, STATE_ENV, SweepState, owner_id
 
-pytestmark = pytest.mark.serial  # drills race real processes against timeouts: never beside another test
+# the drills that race real processes against timeouts run in the serial pass, never beside another test;
+# the disk-full drills are in-process and race nothing
+serial = pytest.mark.serial
 
 TINY = ["model=tiny_random", "measure.max_new_tokens=2", "measure.repetitions=1", "measure.warmup=0",
         "accuracy.enabled=false"]
@@ -115,6 +117,7 @@ SERVER = textwrap.dedent("""
 """)
 
 
+@serial
 def test_mlflow_server_dies_mid_sweep_results_stay_and_upload_later(compose, tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
@@ -177,6 +180,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@serial
 def test_sigkill_while_the_result_is_written_leaves_old_or_whole_json(tmp_path):
     target = tmp_path / "cells" / "abc.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -230,6 +234,7 @@ def _cell_process(sweep_pid: int, manifest: Path, wait_s: float = 240) -> int:
     raise AssertionError("the sweep never started a cell")
 
 
+@serial
 def test_two_sweeps_on_one_folder_the_second_refuses_then_a_sigkilled_sweep_is_cleaned_up(tmp_path):
     """(d), then the fast form of test_sweep.py's heavy SIGKILL drill on the same (hanging) first sweep:
     its cell exits by itself, the next start's call marks its MLflow runs KILLED, its folder is free."""

@@ -170,7 +170,7 @@ def test_scaling_sweeps_get_speed_against_weight_bytes():
 
 def test_drift_probe_reruns_every_cell_last_first_in_a_real_sweep(tmp_path):
     done = run_cli(["name=dp", "quantizer=fp32,bf16", "sweep.baseline=fp32", "sweep.drift_probe=all",
-                    "sweep.label=lab-a"], tmp_path)
+                    "sweep.label=lab-a"], tmp_path, warm_start=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "drift probe (all): 2 cell(s) again" in done.stdout
     probed = json.loads((tmp_path / "dp" / sweeps.DRIFT_FILE).read_text())["probes"]

@@ -5,7 +5,8 @@ A throwaway repository under tmp_path holds a copy of this checkout (tracked and
 `make gate` would see them) committed as the base; `.venv` is a link to this checkout's. Then:
 
 1. `make gate BASE=HEAD` (`--budget 60` to keep the suite short): the checkout against its own commit, a worker on each (same code, two trees,
-   two processes): must pass. Its baseline tokens/s gives the step time on this machine now.
+   two processes): must pass, with its accuracy against the committed baseline and its MLflow run (the suite's
+   one real A/A gate). Its baseline tokens/s gives the step time on this machine now.
 2. A second commit adds real matrix work (a fixed number of 64 x 64 products, as a real regression would)
    to every decode step of strategies/decode.py. `make gate` (BASE=HEAD~1: the base commit, measured by
    its own code in a worktree) must fail with exit 1 and a speed regression: first with the work sized
@@ -51,12 +52,12 @@ def git(repo: Path, *args: str) -> str:
                           env=env).stdout.strip()
 
 
-def make_gate(repo: Path, base: str, out: Path, budget: int = 60) -> tuple[int, str, dict]:
+def make_gate(repo: Path, base: str, out: Path, budget: int = 60, mlflow: bool = False) -> tuple[int, str, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GITHUB_STEP_SUMMARY", "MAKEFLAGS")}
     # -o setup: the venv is this checkout's, already set up (`make gate` runs scripts/setup.sh first)
-    proc = subprocess.run(["make", "-o", "setup", "gate", f"BASE={base}",
-                           f"GATE_ARGS=--no-mlflow --budget {budget} --output {out}"], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=900)
+    args = f"{'' if mlflow else '--no-mlflow '}--budget {budget} --output {out}"
+    proc = subprocess.run(["make", "-o", "setup", "gate", f"BASE={base}", f"GATE_ARGS={args}"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=900)
     record = json.loads(out.read_text()) if out.exists() else {}
     return proc.returncode, proc.stdout + proc.stderr, record
 
@@ -110,13 +111,27 @@ def test_make_gate_passes_an_unchanged_commit_and_fails_one_that_adds_decode_wor
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "base")
 
-    code, log, record = make_gate(repo, "HEAD", tmp_path / "same.json")
+    # 1. A/A: the same code on both sides (the checkout and its own commit) never regresses; decided or, on a
+    #    wild machine, undecided, and it says which; accuracy against the committed baseline; the MLflow run
+    code, log, record = make_gate(repo, "HEAD", tmp_path / "same.json", mlflow=True)
     assert code == 0, log[-3000:]
+    summary = (repo / "results" / "gate-summary.md").read_text()
+    assert "PASS" in summary and "4/4 prompts identical" in summary and "Stopped:" in summary, summary
+    m = record["metrics"]
+    assert m["speed_ci_low"] <= m["speed_change"] <= m["speed_ci_high"]
+    assert m["speed_threshold"] == 0.05 and m["speed_looks"] >= 1 and 0 < m["speed_alpha_look"] < 0.05
+    # the first planned look is at 64 blocks; on a starved machine the 60 s budget may end first (>= 8)
+    assert m["repetitions"] >= 64 or (m["repetitions"] >= 8 and m["speed_seconds"] >= 60)
     assert record["tags"]["gate.speed_verdict"] in ("no regression", "undecided"), log[-3000:]
-    assert record["tags"]["gate.accuracy.greedy_tokens"].startswith("ok")
+    assert record["tags"]["gate.verdict"] == "pass" and record["tags"]["gate.accuracy.greedy_tokens"].startswith("ok")
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(f"sqlite:///{repo}/results/mlflow.db").get_run(record["mlflow_run_id"])
+    assert run.data.tags["gate.verdict"] == "pass"
+    assert run.data.metrics["speed_ci_high"] == pytest.approx(m["speed_ci_high"])
     step_s = 1.0 / record["metrics"]["baseline_decode_tokens_per_s"]  # batch 1: one token a step
 
-    # 1. work sized from a warm loop: a product inside a step costs ~2-4x more than there (caches hold the
+    # 2. work sized from a warm loop: a product inside a step costs ~2-4x more than there (caches hold the
     #    model's data too), so this commit adds well over 10% (measured -27% to -30% under load): caught
     decode = repo / "strategies" / "decode.py"
     base_text = decode.read_text()
@@ -125,7 +140,7 @@ def test_make_gate_passes_an_unchanged_commit_and_fails_one_that_adds_decode_wor
     change = commit_extra_work(repo, decode, base_text, reps, amend=False)
     assert -0.60 < change < -0.05
 
-    # 2. the same work scaled by what one product really cost in a step, to ~10% of a step: still caught
+    # 3. the same work scaled by what one product really cost in a step, to ~10% of a step: still caught
     per_product = (1.0 / (1.0 + change) - 1.0) / reps  # a step's extra time per product, as a share of a step
     reps = max(1, round(0.10 / per_product))
     change = commit_extra_work(repo, decode, base_text, reps, amend=True)

@@ -15,11 +15,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
+import warm
 from conftest import ROOT
 
 from harness.records import mlflow_runs
@@ -63,9 +63,8 @@ def test_make_ui_link_opens_the_sweep_on_its_runs_table_with_child_runs_and_a_me
     from selenium.webdriver.common.keys import Keys
 
     env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
-    done = subprocess.run([sys.executable, "run.py", "+experiment=smoke", f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra",
-                           "tracking.experiment=ui_smoke", "accuracy.max_tokens=200"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = warm.run(["run.py", "+experiment=smoke", f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra",
+                     "tracking.experiment=ui_smoke", "accuracy.max_tokens=200"], ROOT, env, tmp_path / "procs", timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     labels = ["quantizer=none", "quantizer=bf16", "quantizer=fp16"]
 
@@ -74,9 +73,10 @@ def test_make_ui_link_opens_the_sweep_on_its_runs_table_with_child_runs_and_a_me
     exp = MlflowClient(store).get_experiment_by_name("ui_smoke")
     assert exp.tags.get(mlflow_runs.EXPERIMENT_KIND_TAG) == "custom_model_development"
     ui_log = tmp_path / "ui.log"
-    server = subprocess.Popen([sys.executable, "-m", "harness.records.ui", "--backend-store-uri", store, "--port", str(port),
-                               "--workers", "1"], cwd=ROOT, stdout=open(ui_log, "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)  # harness.records.ui becomes mlflow ui: its group holds the workers
+    # README's `make ui`, on a free port and this test's store; harness.records.ui becomes mlflow ui: the group
+    # started here holds make, the server and its workers
+    server = subprocess.Popen(["make", "ui", f"UI_PORT={port}", f"UI_STORE={store}"], cwd=ROOT, env=env,
+                              stdout=open(ui_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     driver = None
     try:
         url = f"http://127.0.0.1:{port}"

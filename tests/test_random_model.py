@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import warm
 from conftest import ROOT
 
 from harness.analysis import scaling
@@ -298,9 +298,9 @@ def test_the_scaling_experiment_narrowed_to_the_tiny_presets(tmp_path):
     """`python run.py +experiment=scaling`, two sizes x one format, through the CLI: the report's section and figure."""
     env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     env["QUANTBENCH_CACHE"] = str(tmp_path / "cache")
-    done = subprocess.run([sys.executable, "run.py", "+experiment=scaling", "size=tiny,tiny-qwen2", "format=int4",
-                           *QUICK, f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra",
-                           "tracking.enabled=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = warm.run(["run.py", "+experiment=scaling", "size=tiny,tiny-qwen2", "format=int4", *QUICK,
+                     f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra", "tracking.enabled=false"],
+                    ROOT, env, tmp_path / "procs", timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     cells = invocation_cells(tmp_path / "scaling")
     assert {c["status"] for c in cells} == {"OK"} and {c["tags"]["model.arch"] for c in cells} == {"tiny", "tiny-qwen2"}

@@ -8,11 +8,10 @@ FINISHED with tag status=SKIPPED and the reason in tag `error`. These tests need
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+import warm
 from conftest import FAST, ROOT
 
 from harness.errors import QuantbenchError, Unsupported
@@ -56,11 +55,10 @@ def test_other_hardware_checks_raise_unsupported_but_bad_input_does_not(compose)
 
 def test_a_sweep_with_a_cuda_only_cell_exits_0_and_reports_it_skipped(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
-    done = subprocess.run([sys.executable, "run.py", "-m", "model=tiny_random", "quantizer=fp32,awq_int4",
-                           "measure.max_new_tokens=2", "measure.repetitions=1", "measure.warmup=0",
-                           "accuracy.enabled=false", "name=skip", "tracking.experiment=skip",
-                           f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = warm.run(["run.py", "-m", "model=tiny_random", "quantizer=fp32,awq_int4", "measure.max_new_tokens=2",
+                     "measure.repetitions=1", "measure.warmup=0", "accuracy.enabled=false", "name=skip",
+                     "tracking.experiment=skip", f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra"],
+                    ROOT, env, tmp_path / "procs", timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     cells = {c["tags"]["sweep.cell"]: c for c in invocation_cells(tmp_path / "skip")}

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 from conftest import ROOT
 
 from harness.errors import ConfigError
@@ -39,12 +40,17 @@ TINY = ["model=tiny_random", "measure.max_new_tokens=4", "measure.repetitions=1"
         "accuracy.enabled=false", "tracking.experiment=drill"]
 
 
-def run_cli(args: list[str], tmp: Path, faults: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], tmp: Path, faults: dict | None = None, timeout: int = 600,
+            warm_start: bool = False) -> subprocess.CompletedProcess:
+    """`python run.py -m <tiny> ...`: a fresh interpreter whose sweep starts its own forkserver, as a user's does;
+    `warm_start` forks it from tests/warm.py's server instead, for tests about what the sweep records."""
     env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
     if faults:
         env[FAULT_ENV] = json.dumps(faults)
-    return subprocess.run([sys.executable, "run.py", "-m", *TINY, f"tracking.results_dir={tmp}", f"hydra.sweep.dir={tmp}/hydra", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    argv = ["run.py", "-m", *TINY, f"tracking.results_dir={tmp}", f"hydra.sweep.dir={tmp}/hydra", *args]
+    if warm_start:
+        return warm.run(argv, ROOT, env, tmp / "procs", timeout)
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def cells_by_label(folder: Path) -> dict[str, dict]:

@@ -7,14 +7,22 @@ command's argv, working directory, environment and file descriptors 1 and 2, and
 module as `__main__` exactly as `python` would (`runpy`), so what is tested is the documented entry point.
 Only the interpreter start is skipped; anything that needs a fresh interpreter (servers, `make`) is run as
 a plain subprocess by the caller.
+
+A sweep run this way forks its cells from this same server instead of starting its own (`_share_server`):
+the sweep's server would import the same modules again, 9 s on one core, paid by each of the ~20 sweeps
+the docs show. The cells still run harness/sweep/isolated.py's `child_main` in a process of their own, with
+the sweep's environment and folder; a sweep starting its own server is what tests/test_sweep.py and
+tests/test_fault_drills.py run (`python run.py -m ...` as a fresh subprocess).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.process as mp_process
 import os
 import subprocess
 import sys
+from multiprocessing import forkserver
 from pathlib import Path
 
 PRELOAD = ["harness.sweep.preload", "hydra", "mlflow", "harness.records.tracking", "harness.config", "harness.cli"]
@@ -29,7 +37,21 @@ def _context():
     return _CTX
 
 
-def _child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+def _share_server(address: str) -> None:
+    """In the forked child: start later forkserver processes (a sweep's cells) from the server that forked us.
+
+    The child already holds the server's "alive" pipe and the resource tracker (multiprocessing hands both to
+    every forkserver child); only the server's address and "it is running" are unknown to it.
+    """
+    server = forkserver._forkserver
+    server._forkserver_address = address
+    # it is running: it forked this process (the module-level name is a bound method of its own)
+    server.ensure_running = forkserver.ensure_running = lambda: None
+    # a cell resolves the sweep's relative `__main__` path (run.py) against this, inherited from the server
+    mp_process.ORIGINAL_DIR = os.getcwd()
+
+
+def _child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, address: str = "") -> None:
     """In the forked child: become `python <argv>` and exit with its code."""
     import runpy
     import warnings
@@ -37,6 +59,8 @@ def _child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    if address:
+        _share_server(address)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
@@ -78,7 +102,10 @@ def run(argv: list[str], cwd: Path, env: dict[str, str], workdir: Path, timeout:
     workdir.mkdir(parents=True, exist_ok=True)
     n = len(list(workdir.glob("*.out")))
     out, err = workdir / f"{n}.out", workdir / f"{n}.err"
-    proc = _context().Process(target=_child, args=(list(argv), str(cwd), dict(env), str(out), str(err)))
+    ctx = _context()
+    forkserver.ensure_running()
+    address = forkserver._forkserver._forkserver_address
+    proc = ctx.Process(target=_child, args=(list(argv), str(cwd), dict(env), str(out), str(err), address))
     proc.start()
     proc.join(timeout)
     if proc.is_alive():

@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend-store-uri", default=TrackingConfig().resolved_uri(),
                     help="MLflow store (default: results/mlflow.db under the current folder)")
     ap.add_argument("--port", type=int, default=5000)
-    ap.add_argument("--workers", type=int, default=None, help="server worker processes (MLflow's default if unset)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="server worker processes (default 1: one person on loopback; MLflow's own default, 4, "
+                         "starts 4 servers)")
     ap.add_argument("--links", action="store_true", help="print the links and exit, without starting the UI")
     args = ap.parse_args(argv)
     base = f"http://{HOST}:{args.port}"
