@@ -22,7 +22,7 @@ from harness.config import TrackingConfig, build, compose
 from harness.gate.accuracy import ACCURACY_METRICS
 from harness.gate.stats import TRIM, UNDECIDED
 from harness.records import results, tracking
-from harness.run.runner import Result
+from harness.run.result import Result
 
 SPEED = metrics.gate_speed_metric()  # decode_tokens_per_s: what a block's tokens/s is (harness/metrics.py)
 

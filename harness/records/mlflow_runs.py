@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from harness.config import TrackingConfig
 from harness.records.results import RESULT_KEY_TAG, result_key
 from harness.records.sqlite_seed import seeded
-from harness.run.runner import Result
+from harness.run.result import Result
 
 log = logging.getLogger("quantbench")
 MAX_PARAM_CHARS = 6000

@@ -5,7 +5,7 @@ Regenerate from a sweep folder or from MLflow:
     python -m harness.report results/<sweep>
     python -m harness.report --mlflow-experiment quantbench [--sweep quant_sweep] [--tracking-uri URI]
 
-Rows come from result dicts (the cell JSON layout of harness.run.runner.Result; MLflow runs are converted to
+Rows come from result dicts (the cell JSON layout of harness.run.result.Result; MLflow runs are converted to
 it), so both sources give the same table. The speed ratio compares each cell with the sweep's baseline
 cell (quantizer named `sweep.baseline`, default "none") of the same machine, model, strategy, batch size
 and context depth (harness/records/rows.py); a cell with no such baseline has no ratio.

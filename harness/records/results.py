@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import TrackingConfig
-from harness.run.runner import Result
+from harness.run.result import Result
 
 log = logging.getLogger("quantbench")
 RESULT_KEY_TAG = "result_key"

@@ -29,7 +29,7 @@ from harness.records.results import (
     save_result,
     write_json_atomic,
 )
-from harness.run.runner import Result
+from harness.run.result import Result
 
 log = logging.getLogger("quantbench")
 UPLOAD = "python -m harness.records.tracking upload"  # the re-send command, as messages show it

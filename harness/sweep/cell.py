@@ -25,7 +25,7 @@ from harness.measure import resolve_device
 from harness.records import tracking
 from harness.records.mlflow_runs import client
 from harness.records.results import WRITE_ERROR_TAG, cell_path, read_json, summary_line, write_json_atomic
-from harness.run.runner import SUCCESS, Result, config_hash
+from harness.run.result import SUCCESS, Result, config_hash
 from harness.sweep import progress, resume
 from harness.sweep.isolated import fault_for, finish, run_isolated
 from harness.sweep.settings import (

@@ -25,7 +25,7 @@ import psutil
 from harness import quiet_third_party
 from harness.errors import QuantbenchError
 from harness.run import runner
-from harness.run.runner import Result, config_hash
+from harness.run.result import Result, config_hash
 from harness.sweep.settings import FAULT_ENV, FAULTS, PRELOAD, SweepSettings
 
 

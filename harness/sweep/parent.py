@@ -22,7 +22,7 @@ from harness.records import report, sweeps
 from harness.records.mlflow_runs import client, experiment_id, retry
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.tracking import UPLOAD
-from harness.run.runner import SUCCESS
+from harness.run.result import SUCCESS
 from harness.sweep import drift, progress, resume
 from harness.sweep.isolated import warm_up
 from harness.sweep.settings import (
