@@ -242,9 +242,15 @@ def test_graphs_kept_out_of_cuda_graphs_are_counted_with_the_reason():
 
     with compile_diag.CudagraphSkips() as skips:  # on CPU inductor counts every reduce-overhead graph as skipped
         torch.compile(step, mode="reduce-overhead")(torch.randn(8))
-        logging.getLogger(compile_diag.CUDAGRAPH_LOG).warning("skipping cudagraphs due to cpu device (arg3_1)\n  more")
+        log = logging.getLogger(compile_diag.CUDAGRAPH_LOG)
+        # torch's re-recording warning (cudagraph_utils.py) is not a skip: it gets a tag of its own
+        log.warning("CUDAGraph supports dynamic shapes by recording a new graph for each distinct input size. ...")
+        log.warning("skipping cudagraphs due to cpu device (arg3_1)\n  more")
+        log.warning("skipping cudagraph due to function 3 exceeding max re-recording limit (=50)")
     assert skips.count == 1
     assert skips.tags() == {"compile.cudagraph_skips": "1",
-                            "compile.cudagraph_skip": "skipping cudagraphs due to cpu device (arg3_1) more"}
+                            "compile.cudagraph_skip": "skipping cudagraphs due to cpu device (arg3_1) more",
+                            "compile.cudagraph_warning": "CUDAGraph supports dynamic shapes by recording a new graph "
+                                                         "for each distinct input size. ..."}
     logging.getLogger(compile_diag.CUDAGRAPH_LOG).warning("after the run")  # the handler is gone
-    assert len(skips.reasons) == 1
+    assert len(skips.reasons) == 2 and len(skips.warnings) == 1

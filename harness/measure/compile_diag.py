@@ -43,16 +43,20 @@ class CudagraphSkips(logging.Handler):
     the host at every step: the launch-bound regime the mode exists to remove. A format that lands there
     reads slower than its bytes say (the H200's int8 and int4 rows at 7.9-8.8 ms/token against fp16's 6.1
     are in that range), and nothing else in the record would say so. Tags `compile.cudagraph_skips` and
-    `compile.cudagraph_skip` (the first reason), on CUDA only (on CPU every graph is "skipped").
+    `compile.cudagraph_skip` (the first reason), on CUDA only (on CPU every graph is "skipped"). The same logger
+    also warns when a function was recorded for too many input sizes: not a skip, but re-recording costs too,
+    so the first such warning is tagged apart, `compile.cudagraph_warning`.
     """
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
-        self.reasons: list[str] = []
+        self.reasons: list[str] = []  # "skipping cudagraph(s) due to ...": a graph left out
+        self.warnings: list[str] = []  # anything else the logger says (distinct input sizes recorded)
         self.before = self.count = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.reasons.append(" ".join(record.getMessage().split())[:300])
+        text = " ".join(record.getMessage().split())[:300]
+        (self.reasons if text.startswith("skipping cudagraph") else self.warnings).append(text)
 
     def __enter__(self) -> CudagraphSkips:
         from torch._dynamo.utils import counters
@@ -71,4 +75,6 @@ class CudagraphSkips(logging.Handler):
         out = {"compile.cudagraph_skips": str(self.count)}
         if self.reasons:
             out["compile.cudagraph_skip"] = self.reasons[0]
+        if self.warnings:
+            out["compile.cudagraph_warning"] = self.warnings[0]
         return out
