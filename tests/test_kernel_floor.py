@@ -87,7 +87,28 @@ def test_cublas_gemv_step_names_gemv_with_its_share_and_calls():
     assert got["kernel.linear_calls_per_step"] == "42"  # both tiles summed: 168 calls over 4 steps
     assert got["kernel_linear_ms_per_step"] == pytest.approx(3000 / 1e3 / 4)
     assert "kernel.linear_2nd" not in got and got["kernel.linear_path_share"] == "75%"
-    assert "not told apart" in got["kernel.lm_head"]
+    assert got["kernel.lm_head"].startswith("not profiled apart")  # no eager call of the head was profiled
+    # a 16-bit model: the head's one gemv a step is summed with the body's under one name, and the tag says so
+    shared = ck.dominant_cuda_kernel(rows, 4, ck.head_kernels([(GEMV, 30.0, 1)]))
+    assert shared["kernel.linear"] == "gemv2T_kernel_val" and shared["kernel.linear_share"] == "75%"
+    assert shared["kernel.lm_head"] == "gemv2T_kernel_val: the body's linears run the same kernel, not told apart"
+
+
+def test_the_output_projection_is_told_apart_by_the_kernels_of_one_eager_call():
+    # 1B int4: Marlin reads ~0.5 GB a step and the 16-bit head's gemv as much; the head must not name the format
+    head = ck.head_kernels([(GEMV, 31.0, 1), (ELEMENTWISE, 2.0, 1), ("aten::linear", 0.0, 1)])
+    assert head == frozenset({"gemv2T_kernel_val"})  # linear kernels with device time only
+    rows = [(MARLIN, 1000.0, 448), (GEMV, 1100.0, 4), (FLASH, 250.0, 64), (ELEMENTWISE, 150.0, 300)]
+    got = ck.dominant_cuda_kernel(rows, 4, head)
+    assert got["kernel.linear"] == "marlin::Marlin" and got["kernel.linear_calls_per_step"] == "112"
+    assert got["kernel.lm_head"] == "gemv2T_kernel_val" and got["kernel.lm_head_calls_per_step"] == "1"
+    assert got["kernel.lm_head_share"] == "44%" and got["kernel_lm_head_ms_per_step"] == pytest.approx(1100 / 1e3 / 4)
+    assert "kernel.linear_2nd" not in got and got["kernel.linear_path_share"] == "84%"  # head and body
+    assert ck.dominant_cuda_kernel(rows, 4)["kernel.linear"] == "gemv2T_kernel_val"  # what it read without
+    # the eager call's kernel never ran in the compiled step (inductor lowered the head otherwise): said so
+    missing = ck.dominant_cuda_kernel(rows, 4, frozenset({"gemvx_kernel"}))
+    assert missing["kernel.lm_head"] == "not seen in the profiled steps (one eager call ran gemvx_kernel)"
+    assert missing["kernel.linear"] == "gemv2T_kernel_val"
 
 
 def test_a_dequantize_then_gemm_path_reports_both_kernels():

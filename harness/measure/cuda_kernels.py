@@ -9,13 +9,17 @@ device row (device_type CUDA, with `self_device_time_total`), so a profile with 
   tokens (`sm90_xmma_gemm_..._cublas`) and Triton names (`triton_tem_fused_mm_0`) as they are; a CUTLASS wrapper
   (`cutlass::Kernel2<cutlass_80_..._gemm_...>`) keeps its first template argument, which is the real name.
 - `is_linear_kernel(name)`: whether a kernel belongs to the linear layers' path (module constants say which).
-- `dominant_cuda_kernel(rows, steps)`: from plain (raw name, self device us, calls) rows, the linear kernel with
-  the most device time as tag `kernel.linear`, its share of all device time in the profiled steps, its calls per
-  step, a second linear kernel when it holds >= 10% (a quantized path often splits into a dequantize kernel and a
-  gemm: the reader needs both), and the whole linear path's share.
+- `dominant_cuda_kernel(rows, steps, head)`: from plain (raw name, self device us, calls) rows, the linear kernel
+  with the most device time as tag `kernel.linear`, its share of all device time in the profiled steps, its calls
+  per step, a second linear kernel when it holds >= 10% (a quantized path often splits into a dequantize kernel and
+  a gemm: the reader needs both), and the whole linear path's share.
 
-The output projection is not told apart on CUDA: kernel rows carry no operand shapes (the CPU path finds it by the
-vocabulary dimension), so its gemv is counted with the body's, usually under the same kernel name.
+The output projection apart: kernel rows carry no operand shapes (the CPU path finds it by the vocabulary
+dimension), so `head_kernels` names the kernels one eager call of it launches (`harness/measure/kernels.py`
+profiles that call), and a kernel of those names that runs about once per step in the profile is the head's
+(`kernel.lm_head`): quantizers leave it in 16 bits, and at 1B its cuBLAS gemv reads as many bytes as an int4 body,
+so without this an int4 run could be tagged with the head's gemv. A name the body's linears run too (a 16-bit model:
+one gemv for all) cannot be told apart, and the tag says so.
 """
 
 from __future__ import annotations
@@ -105,26 +109,53 @@ def _by_name(rows: list[Row]) -> list[Row]:
     return [(n, t, int(c)) for n, (t, c) in acc.items()]
 
 
-def dominant_cuda_kernel(rows: list[Row], steps: int) -> dict[str, Any]:
-    """Tags `kernel.*` and metrics `kernel_linear_*` of the profiled device rows (module docstring)."""
+def head_kernels(rows: list[Row]) -> frozenset[str]:
+    """The linear kernels (readable names) in the device rows of one eager call of the output projection."""
+    return frozenset(n for n in (kernel_name(raw) for raw, us, _ in rows if us > 0) if is_linear_kernel(n))
+
+
+def _split_head(linear: list[Row], steps: int, head: frozenset[str]) -> tuple[list[Row], list[Row], str]:
+    """(the output projection's rows, the body's rows, the `kernel.lm_head` tag when the head has no rows)."""
+    if not head:
+        return [], linear, "not profiled apart (no eager call of the output projection on this device)"
+    # the head runs once a step (twice with a prefill in the profile); a body kernel runs layers x 4-7 times
+    own = [r for r in linear if r[0] in head and r[2] < 2 * steps]
+    shared = [r[0] for r in linear if r[0] in head and r[2] >= 2 * steps]
+    if own and len(own) < len(linear):
+        return own, [r for r in linear if r not in own], ""
+    if shared:
+        return [], linear, f"{shared[0]}: the body's linears run the same kernel, not told apart"
+    return [], linear, f"not seen in the profiled steps (one eager call ran {', '.join(sorted(head))})"
+
+
+def dominant_cuda_kernel(rows: list[Row], steps: int, head: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Tags `kernel.*` and metrics `kernel_linear_*` (and `kernel_lm_head_*`) of the profiled device rows; `head`:
+    `head_kernels` of one eager call of the output projection (module docstring)."""
     steps = max(steps, 1)
     kernels = [r for r in _by_name(rows) if r[1] > 0]
     total = sum(r[1] for r in kernels)
-    found: dict[str, Any] = {"kernel.device": "cuda",
-                             "kernel.lm_head": "not told apart on CUDA (kernel rows carry no operand shapes)"}
+    found: dict[str, Any] = {"kernel.device": "cuda"}
     if total <= 0:
         return {**found, "kernel.linear": NO_KERNELS}
     linear = sorted((r for r in kernels if is_linear_kernel(r[0])), key=lambda r: -r[1])
     if not linear:
         top = max(kernels, key=lambda r: r[1])[0]
         return {**found, "kernel.linear": f"none found among {len(kernels)} kernels (top: {top})"}
-    name, us, calls = linear[0]
+    heads, body, why = _split_head(linear, steps, head)
+    if heads:
+        us = sum(r[1] for r in heads)
+        found.update({"kernel.lm_head": heads[0][0], "kernel.lm_head_share": f"{us / total:.0%}",
+                      "kernel.lm_head_calls_per_step": str(round(heads[0][2] / steps)),
+                      "kernel_lm_head_share": us / total, "kernel_lm_head_ms_per_step": us / 1e3 / steps})
+    else:
+        found["kernel.lm_head"] = why
+    name, us, calls = body[0]
     found.update({"kernel.linear": name, "kernel.linear_share": f"{us / total:.0%}",
                   "kernel.linear_calls_per_step": str(round(calls / steps)),
                   "kernel.linear_path_share": f"{sum(r[1] for r in linear) / total:.0%}",
                   "kernel_linear_share": us / total, "kernel_linear_ms_per_step": us / 1e3 / steps})
-    if len(linear) > 1 and linear[1][1] / total >= SECOND_SHARE:
-        second = linear[1]
+    if len(body) > 1 and body[1][1] / total >= SECOND_SHARE:
+        second = body[1]
         found.update({"kernel.linear_2nd": second[0], "kernel.linear_2nd_share": f"{second[1] / total:.0%}",
                       "kernel.linear_2nd_calls_per_step": str(round(second[2] / steps))})
     return found

@@ -17,7 +17,8 @@ included (tag `kernel.profiled=whole generation`).
 
 On a CUDA model the same pass also records CUDA activity, and the tags come from the device kernels instead
 (harness/measure/cuda_kernels.py): a compiled step replays a CUDA graph, so no ATen op shows on the host, but
-CUPTI records the kernels the replay runs (`kernel.device=cuda`).
+CUPTI records the kernels the replay runs (`kernel.device=cuda`). Kernel rows have no shapes, so the output
+projection is told apart by name: `head_kernels` profiles one eager call of it first.
 """
 
 from __future__ import annotations
@@ -114,6 +115,28 @@ def vocab_rows(model: Any) -> int | None:
     return getattr(getattr(model, "config", None), "vocab_size", None)
 
 
+def head_kernels(model: Any, rows: int) -> frozenset[str]:
+    """On CUDA: the linear kernels one eager call of the output projection launches on `rows` rows (the decode
+    step's batch), so that the step's profile can tell its kernel apart (harness/measure/cuda_kernels.py)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.dim() != 2 or weight.device.type != "cuda":
+        return frozenset()
+    dtype = weight.dtype if weight.dtype.is_floating_point else getattr(model, "dtype", torch.float16)
+    x = torch.zeros(rows, 1, weight.shape[1], dtype=dtype, device=weight.device)
+    try:
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            head(x)
+            sync("cuda")
+        return cuda_kernels.head_kernels(cuda_kernels.device_rows(prof.key_averages()))
+    except Exception as exc:  # noqa: BLE001 - a side measurement: the tag then says it was not profiled apart
+        log.warning("output projection profile failed: %s", exc)
+        return frozenset()
+
+
 def model_device(model: Any) -> str:
     """The device type of the model's first parameter ("cpu" without any)."""
     params = model.parameters() if hasattr(model, "parameters") else iter(())
@@ -163,7 +186,7 @@ def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
         log.debug("decode-step profile:\n%s", prof.key_averages().table(sort_by=by, row_limit=20))
     if on_cuda:  # the device kernels name the linear layers' kernel, graph replays included
         found = cuda_kernels.dominant_cuda_kernel(cuda_kernels.device_rows(prof.key_averages()),
-                                                  state["steps"] or tokens)
+                                                  state["steps"] or tokens, head_kernels(model, len(batch)))
     else:
         events = [(e.key, float(e.self_cpu_time_total), int(e.count), e.input_shapes)
                   for e in prof.key_averages(group_by_input_shape=True)]
