@@ -287,13 +287,16 @@ class Steps:
     stepwise = True
 
     def generate(self, model, batch, opts):
-        x = torch.randn(len(batch), 1, 8)
+        x = torch.randn(len(batch), 1, model[0].in_features)
         for i in range(opts.max_new_tokens):
             opts.choose(model(x), i)
 
 
 def test_the_cpu_profile_is_unchanged_by_the_cuda_branch():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).eval()
+    # matrices big enough that addmm's own time (the product) outweighs aten::linear's (a wrapper around it): with
+    # 8 x 64 layers the two were within noise, and the test once read aten::linear
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 1024),
+                                torch.nn.Linear(1024, 256)).eval()
     assert kernels.model_device(model) == "cpu" and kernels.model_device(torch.nn.ReLU()) == "cpu"
     with torch.inference_mode():
         tags, got = kernels.profile_linear(Steps(), model, [[5, 6, 7, 8]], DecodeOptions(max_new_tokens=8))
