@@ -319,6 +319,26 @@ def test_a_cuda_model_is_profiled_with_device_activity_and_tagged_from_its_kerne
     assert tags["kernel.profiled"] == "4 decode steps" and got == {}
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_a_cuda_profile_tells_the_head_apart_by_its_eager_calls_kernels(monkeypatch):
+    # the wiring on CPU: the head's eager call is profiled on the step's batch rows, its kernels split the step's
+    asked = []
+    monkeypatch.setattr(kernels, "model_device", lambda model: "cuda")
+    monkeypatch.setattr(kernels, "sync", lambda device: None)
+    monkeypatch.setattr(kernels, "profile_head_kernels", lambda model, rows: asked.append(rows) or
+                        ck.head_kernels([(GEMV, 30.0, 1)]))
+    monkeypatch.setattr(ck, "device_rows", lambda averages: [(MARLIN, 1000.0, 448), (GEMV, 1100.0, 4)])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    with torch.inference_mode():
+        tags, got = kernels.profile_linear(Steps(), model, [[5], [6]], DecodeOptions(max_new_tokens=8))
+    assert asked == [2] and tags["kernel.linear"] == "marlin::Marlin" and tags["kernel.lm_head"] == "gemv2T_kernel_val"
+    assert got["kernel_lm_head_share"] == pytest.approx(1100 / 2100)
+    # a head off CUDA is never profiled (its eager call has no CUDA kernels to name)
+    monkeypatch.undo()
+    cpu_head = SimpleNamespace(get_output_embeddings=lambda: torch.nn.Linear(8, 32))
+    assert kernels.profile_head_kernels(cpu_head, 1) == frozenset()
+
+
 def test_the_compiled_floor_pass_runs_under_the_steps_inductor_flags(monkeypatch):
     # torchao int8 reaches its fused kernel only when compiled with coordinate-descent tuning on: the floor of a
     # compiled quantized step must be compiled with the same flags, or it times the dequantize-then-mm path

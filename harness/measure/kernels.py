@@ -18,7 +18,7 @@ included (tag `kernel.profiled=whole generation`).
 On a CUDA model the same pass also records CUDA activity, and the tags come from the device kernels instead
 (harness/measure/cuda_kernels.py): a compiled step replays a CUDA graph, so no ATen op shows on the host, but
 CUPTI records the kernels the replay runs (`kernel.device=cuda`). Kernel rows have no shapes, so the output
-projection is told apart by name: `head_kernels` profiles one eager call of it first.
+projection is told apart by name: `profile_head_kernels` profiles one eager call of it first.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def vocab_rows(model: Any) -> int | None:
     return getattr(getattr(model, "config", None), "vocab_size", None)
 
 
-def head_kernels(model: Any, rows: int) -> frozenset[str]:
+def profile_head_kernels(model: Any, rows: int) -> frozenset[str]:
     """On CUDA: the linear kernels one eager call of the output projection launches on `rows` rows (the decode
     step's batch), so that the step's profile can tell its kernel apart (harness/measure/cuda_kernels.py)."""
     import torch
@@ -186,7 +186,7 @@ def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
         log.debug("decode-step profile:\n%s", prof.key_averages().table(sort_by=by, row_limit=20))
     if on_cuda:  # the device kernels name the linear layers' kernel, graph replays included
         found = cuda_kernels.dominant_cuda_kernel(cuda_kernels.device_rows(prof.key_averages()),
-                                                  state["steps"] or tokens, head_kernels(model, len(batch)))
+                                                  state["steps"] or tokens, profile_head_kernels(model, len(batch)))
     else:
         events = [(e.key, float(e.self_cpu_time_total), int(e.count), e.input_shapes)
                   for e in prof.key_averages(group_by_input_shape=True)]
