@@ -244,7 +244,8 @@ def row_from(cell: str, returncode: int | None, log: str, result: dict | None, w
                    step_rest_ms=m.get("step_rest_ms"),
                    extra={k: t[k] for k in ("device_name", "version.torch", "quantizer.kernel", "compiled_match",
                                             "energy.why", "model.arch", "kernel.floor", "measure.auto",
-                                            "quantizer.resolved") if k in t})
+                                            "quantizer.resolved", "kernel.linear_share", "kernel.linear_2nd",
+                                            "kernel.lm_head", "kernel.lm_head_share") if k in t})
     if returncode is None:
         return Row(cell=cell, status="TIMEOUT", error=f"no result after {timeout_s} s (killed); see its log",
                    wall_s=wall_s)

@@ -138,6 +138,16 @@ def test_row_from_a_cell_without_a_result_names_why():
     assert row.status == "CRASHED" and row.error == "exit -11: RuntimeError: CUDA error: illegal address"
 
 
+def test_a_row_from_a_result_keeps_the_kernel_tags_a_reader_checks():
+    tags = {"kernel.linear": "marlin::Marlin", "kernel.linear_share": "48%", "kernel.lm_head": "gemv2T_kernel_val",
+            "kernel.lm_head_share": "44%", "fast_path": "compiled", "quantizer.backend": "gptqmodel"}
+    row = gpu_check.row_from("1b-gptq", 0, "", {"status": "OK", "metrics": {"decode_tokens_per_s": 300.0},
+                                                "tags": tags}, 1.0, 60)
+    assert row.kernel_path == "marlin::Marlin [compiled]" and row.backend == "gptqmodel"
+    assert row.extra == {"kernel.linear_share": "48%", "kernel.lm_head": "gemv2T_kernel_val",
+                         "kernel.lm_head_share": "44%"}
+
+
 def test_the_budget_skips_cells_instead_of_overrunning(tmp_path):
     called = []
     rows = gpu_check.run_cells(list(gpu_check.CELLS), tmp_path, budget_s=30,
