@@ -18,7 +18,7 @@ included (tag `kernel.profiled=whole generation`).
 On a CUDA model the same pass also records CUDA activity, and the tags come from the device kernels instead
 (harness/measure/cuda_kernels.py): a compiled step replays a CUDA graph, so no ATen op shows on the host, but
 CUPTI records the kernels the replay runs (`kernel.device=cuda`). Kernel rows have no shapes, so the output
-projection is told apart by name: `profile_head_kernels` profiles one eager call of it first.
+projection is told apart by name: after the decode steps, `profile_head_kernels` profiles one eager call of it.
 """
 
 from __future__ import annotations
