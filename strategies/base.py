@@ -36,6 +36,8 @@ class Strategy:
     - `supports_context_depth`: `measure.context_depth` tokens can sit in the cache before a prompt.
     - `batches_rows`: several prompts per generate call (`batches()` groups them).
     - `supports_llama_cpp`: the llama.cpp engine can run it (greedy, batch 1).
+    - `schedules_rows`: each row of a call runs on its own schedule (continuous batching), so `step_s` pools
+      the rows' gaps and the roofline takes every row with its own prompt and steps.
     - `weight_dependent`: what it measures that depends on the weight values ("" = nothing);
       model=random refuses a strategy that sets it.
     """
@@ -44,6 +46,7 @@ class Strategy:
     supports_context_depth: ClassVar[bool] = False
     batches_rows: ClassVar[bool] = False
     supports_llama_cpp: ClassVar[bool] = False
+    schedules_rows: ClassVar[bool] = False
     weight_dependent: ClassVar[str] = ""
 
     @property

@@ -159,7 +159,8 @@ def speculative_generate(target: Any, prompt: list[int], opts: DecodeOptions, dr
         seq.extend(new)
         gen.extend(new)
         drafter.rollback(len(seq) - 1)
-        steps.append((len(draft), n))
+        # past an EOS nothing was emitted: a step counts only the draft tokens up to it, and accepts those it kept
+        steps.append((min(len(draft), len(new)), min(n, len(new))))
         draft_s += t_mid - t
         verify_s += t_end - t_mid
         # the step's time shared by the tokens it produced: the step sum stays exact, ITL stays comparable
@@ -346,7 +347,8 @@ class Speculative(Strategy):
             "spec_max_gap_ulps": max((g.stats.get("max_gap_ulps", 0.0) for g in generations), default=0.0),
             "acceptance_rate": n_acc / n_draft if n_draft else 0.0,
             "mean_accepted_tokens": n_acc / len(drafted) if drafted else 0.0,  # per step that drafted
-            "tokens_per_verify_step": sum(a + 1 for _, a in steps) / len(steps) if steps else float("nan"),
+            # tokens each verify step emitted: a + 1, or fewer where EOS cut the step (decode tokens are exact)
+            "tokens_per_verify_step": sum(g.decode_tokens for g in generations) / len(steps) if steps else float("nan"),
             "empty_draft_fraction": 1.0 - len(drafted) / len(steps) if steps else float("nan"),
             "verify_steps": float(len(steps)),
             "draft_ms_per_step": 1000.0 * draft_s / len(steps) if steps else float("nan"),

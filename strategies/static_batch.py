@@ -17,6 +17,16 @@ from strategies.base import DecodeOptions, Strategy
 from strategies.decode import greedy_generate
 
 
+def row_rates(gen: Generation) -> list[float]:
+    """Decode tokens/s of each row while it ran: a row that stopped at EOS after n tokens was in the batch for
+    its first n steps only, so its time is that share of the decode wall clock (host work pro rata), not all of
+    it (a stopped row is not a slow row)."""
+    total = sum(gen.step_s)
+    if not total > 0 or not gen.decode_s > 0:
+        return []
+    return [n / (gen.decode_s * sum(gen.step_s[:n]) / total) for n in gen.stats.get("row_decode_tokens", []) if n > 0]
+
+
 @dataclass
 class StaticBatch(Strategy):
     """Greedy decoding of fixed batches built by cycling the prompt set."""
@@ -50,8 +60,7 @@ class StaticBatch(Strategy):
         return gen
 
     def metrics(self, generations: list[Generation]) -> dict[str, float]:
-        per_seq = [n / g.decode_s for g in generations if g.decode_s > 0
-                   for n in g.stats.get("row_decode_tokens", [])]
+        per_seq = [r for g in generations for r in row_rates(g)]
         e2e = sum(g.e2e_s for g in generations)
         return {
             "batch_size": float(self.batch_size),

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import FAST
 
+from harness.analysis.roofline import mean_context
 from harness.config import build
 from harness.errors import QuantbenchError
 from harness.models import TinyRandom, byte_tokenizer, load_pretrained
@@ -165,6 +166,10 @@ def test_every_strategy_runs_end_to_end(compose, results_overrides, strategy):
         prompts = encode_prompts(tok, PROMPT_SETS["default"], True)
         for i, seq in enumerate(want):  # continuous batching reproduces per-prompt greedy
             assert seq == greedy_generate(tiny, [prompts[i % 4]], DecodeOptions(max_new_tokens=8)).sequences[0]
+        # the roofline takes each request with its own prompt and 7 steps (not the 6 x 7 pooled gaps as one row's),
+        # at the 6 rows the stream can hold (requests=6 < max_requests_per_batch=16)
+        assert m["kv_context_mean"] == pytest.approx(mean_context([(len(prompts[i % 4]), 7) for i in range(6)]))
+        assert m["batch_size"] == 6
 
 
 def test_speculative_prompt_lookup_end_to_end(compose, results_overrides):
@@ -297,11 +302,12 @@ def test_shipped_strategies_declare_their_capabilities():
     from strategies.speculative import Speculative
     from strategies.static_batch import StaticBatch
 
-    caps = ("stepwise", "supports_context_depth", "batches_rows", "supports_llama_cpp")
+    caps = ("stepwise", "supports_context_depth", "batches_rows", "supports_llama_cpp", "schedules_rows")
     table = {cls.__name__: tuple(getattr(cls, c) for c in caps)
              for cls in (Greedy, StaticBatch, Speculative, ContinuousBatch)}
-    assert table == {"Greedy": (True, True, False, True), "StaticBatch": (True, True, True, False),
-                     "Speculative": (False, False, False, False), "ContinuousBatch": (False, False, True, False)}
+    assert table == {"Greedy": (True, True, False, True, False), "StaticBatch": (True, True, True, False, False),
+                     "Speculative": (False, False, False, False, False),
+                     "ContinuousBatch": (False, False, True, False, True)}
 
 
 def test_core_code_asks_capabilities_not_class_names(compose):

@@ -197,11 +197,13 @@ class Pipeline:
         """Roofline metrics: bytes a decode step reads at the run's mean context vs the host's bandwidth."""
         depth = self.workload.depth
         flat = self.batches * self.exp.measure.repetitions  # generations are ordered repetition by repetition
-        if len(flat) == len(gens):
+        if self.exp.strategy.schedules_rows:
+            # continuous batching: step_s pools every request's gaps, so each request is its own row, with its
+            # own prompt and steps (sequences come back in request order, the batch's)
+            widths = [(depth + len(p), max(len(s) - 1, 0)) for b, g in zip(flat, gens, strict=True)
+                      for p, s in zip(b, g.sequences, strict=True)]
+        else:  # a step loop: the batch's widest prompt (left padding) and its steps
             widths = [(depth + max(len(p) for p in b), len(g.step_s)) for b, g in zip(flat, gens, strict=True)]
-        else:  # a strategy that schedules its own calls (continuous batching): mean prompt length per row
-            rows = [p for b in self.batches for p in b]
-            widths = [(depth + round(sum(map(len, rows)) / len(rows)), len(g.step_s)) for g in gens]
         roofline.annotate(self.metrics, self.tags, self.session.shape(), self.device, self.threads,
                           roofline.mean_context(widths), roofline.run_group(self.exp, self.exp.engine.name),
                           self.session.label)
