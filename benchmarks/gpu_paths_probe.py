@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from harness.measure import compile_diag, cuda_kernels, sync  # noqa: E402
-from quantizers import gpu_paths  # noqa: E402
+from quantizers import fake_ops, gpu_paths  # noqa: E402
 from quantizers.base import module_bytes  # noqa: E402
 
 RO = "reduce-overhead"
@@ -93,6 +93,8 @@ def int4(packing: str, group: int) -> Callable[[Layer], Layer]:
     def config():
         from torchao.quantization import Int4WeightOnlyConfig
 
+        if packing in ("preshuffled", "plain"):  # mslk 1.1.0 lacks the shape rule: no graph break per linear
+            fake_ops.ensure_mslk_fakes()
         return Int4WeightOnlyConfig(group_size=group, int4_packing_format=packing, set_inductor_config=False)
     return torchao(config)
 

@@ -21,6 +21,8 @@ int4 has three kernels, chosen by `kernel`:
   format, published as 0.3x of tinygemm at batch 1 (pytorch/ao#2273): kept for comparison.
   Both need the `mslk` package (`pip install mslk-cuda==1.1.0`, the release for torch 2.11; a 44 MB wheel): without
   it torchao fails at quantize time ("Requires mslk >= 1.0.0"), so preflight refuses in one line instead.
+  mslk 1.1.0 has no shape rule for `bf16i4bf16_shuffled`, so a compiled step would break its graph at every
+  linear; `load` registers one first (quantizers/fake_ops.py, tag `quantizer.fake_ops`).
 
 int8 weight-only (`Int8WeightOnlyConfig`, per-row scales) has two kernels, chosen by `kernel`:
 - `int8pack` (CPU, the default there): torchao quantizes, then each layer's int8 rows and scales move into
@@ -58,7 +60,7 @@ from typing import Any
 
 from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.errors import ConfigError, QuantbenchError, Unsupported, one_of
-from quantizers import gpu_paths  # gpu_paths.device_capability looked up per call: tests patch it
+from quantizers import fake_ops, gpu_paths  # gpu_paths.device_capability looked up per call: tests patch it
 from quantizers.base import Quantizer
 from quantizers.common import TimedLoad
 from quantizers.dtype import apply_prefill_matmul, native_16bit
@@ -292,6 +294,8 @@ class TorchAoInt4(InductorFlags, BF16OnCPU, TimedLoad, Quantizer):
     def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
         model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)
         self.last_tags.update(self.compile_tags(device))
+        if self._kernel(device) in MSLK_KERNELS:  # before any compile: mslk 1.1.0 lacks a shape rule (fake_ops.py)
+            self.last_tags["quantizer.fake_ops"] = fake_ops.ensure_mslk_fakes()
         return model
 
     def load_dtype(self, model_dtype: str) -> str:

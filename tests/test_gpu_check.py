@@ -255,13 +255,15 @@ def test_flat_output_is_few_shallow_files_with_the_cells_packed(tmp_path):
     assert not list(work.glob("*.tmp"))
 
 
-def _ok(fast_path: str) -> dict:
-    return {"status": "OK", "metrics": {"decode_tokens_per_s": 100.0}, "tags": {"kernel.linear": "k", "fast_path": fast_path}}
+def _ok(fast_path: str, breaks: str = "0") -> dict:
+    return {"status": "OK", "metrics": {"decode_tokens_per_s": 100.0},
+            "tags": {"kernel.linear": "k", "fast_path": fast_path, "compile.graph_breaks": breaks}}
 
 
 @pytest.mark.parametrize("first, hedge_runs", [
     ((0, "", _ok("compiled")), False),
     ((0, "", _ok("eager-fallback")), True),  # mslk's kernel did not capture: the number would be eager's
+    ((0, "", _ok("compiled", breaks="224")), True),  # an op without a shape rule broke the graph at every linear
     ((1, "", {"status": "FAILED", "error": "RuntimeError: mslk"}), True),
 ])
 def test_the_int4_hedge_runs_only_where_8b_int4_did_not_run_compiled(tmp_path, first, hedge_runs):
@@ -274,4 +276,6 @@ def test_the_int4_hedge_runs_only_where_8b_int4_did_not_run_compiled(tmp_path, f
 
     rows = gpu_check.run_cells(cells, tmp_path, budget_s=10_000, runner=runner)
     assert ran == (["8b-int4", "8b-int4-tinygemm"] if hedge_runs else ["8b-int4"])
-    assert rows[1].status == "OK" if hedge_runs else rows[1].error == "not needed: 8b-int4 ran compiled"
+    assert rows[1].status == "OK" if hedge_runs else rows[1].error == "not needed: 8b-int4 ran compiled, in whole graphs"
+    if first[2]["status"] == "OK":  # the table keeps the count that decided it
+        assert rows[0].extra["compile.graph_breaks"] == first[2]["tags"]["compile.graph_breaks"]

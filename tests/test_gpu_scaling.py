@@ -87,6 +87,8 @@ def test_a_suite_cell_is_the_experiments_config(name):
     assert not exp.accuracy.enabled and exp.name == ("gpu_scaling" if batch == 1 else "gpu_scaling_batch")
     if fmt in ("gptq_int4", "awq_int4"):  # small calibration: random weights, speed only
         assert (exp.quantizer.calibration_samples, exp.quantizer.calibration_length) == (8, 128)
+    if fmt == "bnb_nf4":  # computes in the activations' dtype: bf16 would cast x twice per linear call
+        assert exp.quantizer.compute_dtype == exp.model.dtype
 
 
 def test_parts_fit_the_budget_and_the_done_when_cells_come_first():

@@ -48,6 +48,7 @@ LAZY_OK: dict[str, str] = {
     "bitsandbytes": "quant extra; CUDA-oriented, probes native libraries at import",
     "gptqmodel": "quant extra; imports torch and its own kernels",
     "optimum": "quant extra (optimum-quanto); imports torch",
+    "mslk": "optional CUDA-only kernel library (torchao's int4 mslk layouts); absent on CPU machines",
     "zentorch": "optional AMD CPU plugin for torch, normally absent",
     "llama_cpp": "optional engine; loads the native llama.cpp library at import",
     "gguf": "only the llama.cpp engine's export/conversion paths need it (numpy + large tables)",
