@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 from harness.errors import QuantbenchError, Unsupported
 from harness.models import load_pretrained
+from quantizers import gpu_paths
 
 # torch is imported where used: config validation instantiates quantizers before any model library loads
 # (tests/test_layout.py, LAZY_OK).
@@ -191,7 +191,7 @@ class Quantizer:
 
     def preflight(self, device: str) -> None:
         """Fail fast (before loading) when the backend is missing or cannot run on this device."""
-        if self.library and importlib.util.find_spec(self.library) is None:
+        if self.library and not gpu_paths.importable(self.library):  # "optimum.quanto" without optimum: not a crash
             raise QuantbenchError(f"quantizer {self.name} needs {self.library!r}, which is not installed; "
                                   f"pip install {self.pip_name or self.library}, or use {self.instead}")
         if device.split(":")[0] not in self.devices:  # this machine, not the input: a sweep records SKIPPED

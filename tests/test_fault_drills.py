@@ -102,6 +102,23 @@ def test_disk_full_everywhere_prints_the_result_itself(tmp_path, monkeypatch, ca
     assert "could not write the result anywhere" in err, err
 
 
+def test_a_bug_in_a_cells_preflight_is_a_failed_cell_not_a_lost_one(compose, tmp_path, monkeypatch, capsys):
+    """An exception that is not a QuantbenchError (a library's own import error, a bug) fails that cell, recorded
+    with its error, and returns to the sweep like any failed cell."""
+    from quantizers.base import Quantizer
+
+    def broken(self, device):
+        raise ModuleNotFoundError("No module named 'optimum'")
+
+    monkeypatch.setattr(Quantizer, "preflight", broken)
+    st = _state(tmp_path, "bug", TrackingConfig(enabled=False, results_dir=str(tmp_path)), monkeypatch)
+    assert run_cell(compose([*TINY, "name=bug", f"tracking.results_dir={tmp_path}", "tracking.enabled=false"])) == 1
+    (cell,) = (Path(st.folder) / "cells").glob("*.json")
+    data = json.loads(cell.read_text())
+    assert data["status"] == "FAILED" and data["error"] == "ModuleNotFoundError: No module named 'optimum'"
+    assert "[FAILED]" in capsys.readouterr().out
+
+
 # -------------------------------------------------------------------------------- (b) MLflow server dies
 SERVER = textwrap.dedent("""
     # The real MLflow tracking app in one process (`mlflow server` takes ~17 s to start its workers here)

@@ -197,6 +197,22 @@ def test_missing_library_fails_in_preflight(compose, monkeypatch, name, lib):
         exp.quantizer.preflight("cpu")
 
 
+def test_a_submodule_whose_parent_is_missing_fails_in_one_line(compose, monkeypatch):
+    """find_spec("optimum.quanto") raises (not None) when optimum itself is absent: still the one-line refusal."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(n, *a):
+        if n.startswith("optimum"):
+            raise ModuleNotFoundError("No module named 'optimum'", name="optimum")
+        return real(n, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(QuantbenchError, match=r"needs 'optimum.quanto', which is not installed"):
+        _exp(compose, "quanto_int8").quantizer.preflight("cpu")
+
+
 def test_resolver_with_nothing_installed(compose, monkeypatch):
     import importlib.util
 

@@ -187,3 +187,11 @@ def test_a_password_on_the_command_line_is_refused_and_never_printed(capsys, mon
     assert server.redact("postgresql+psycopg2://mlflow:s3cret-pw@db:5432/x") == "postgresql+psycopg2://mlflow:***@db:5432/x"
     cmd, env = server.mlflow_launch("postgresql://mlflow:s3cret-pw@db:5432/x", Path("/tmp/a"), 5000)
     assert "s3cret-pw" not in " ".join(cmd) and "s3cret-pw" in env["MLFLOW_BACKEND_STORE_URI"]
+
+
+def test_the_ui_refuses_a_store_uri_with_a_password(capsys):
+    from harness.records import ui
+
+    assert ui.main(["--backend-store-uri", "postgresql://mlflow:s3cret-pw@127.0.0.1:9/x", "--links"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a password" in err and "s3cret-pw" not in err and "mlflow:***@" in err

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from harness.config import TrackingConfig
 from harness.records.results import RESULT_KEY_TAG, result_key
+from harness.records.server import backend_uri_for
 from harness.records.sqlite_seed import seeded
 from harness.run.result import Result
 
@@ -139,7 +140,7 @@ def client(tcfg: TrackingConfig) -> BoundedClient:
     """An MLflow client of `tcfg`'s store, every call bounded (`BoundedClient`)."""
     from mlflow.tracking import MlflowClient  # heavy (seconds): only where MLflow is really contacted
 
-    return BoundedClient(MlflowClient(tracking_uri=seeded(tcfg.resolved_uri())), tcfg)
+    return BoundedClient(MlflowClient(tracking_uri=seeded(backend_uri_for(tcfg.resolved_uri()))), tcfg)
 
 
 def experiment_id(c: Any, tcfg: TrackingConfig, name: str | None = None) -> str:

@@ -21,6 +21,7 @@ from harness.errors import QuantbenchError
 from harness.metrics import HEADLINE
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.rows import rows_for
+from harness.records.server import backend_uri_for
 
 DRIFT_FILE = "drift.json"  # results/<sweep>/drift.json: the drift probe (harness/sweep/drift.py)
 OF_TAG = "drift_probe.of"  # the probe's tag: the config hash of the cell it repeats
@@ -50,7 +51,7 @@ def from_folder(folder: Path, all_cells: bool = False) -> Sweep:
 def _client(tracking_uri: str, experiment: str):  # noqa: ANN202 - MlflowClient, imported lazily (slow)
     from mlflow.tracking import MlflowClient
 
-    c = MlflowClient(tracking_uri=tracking_uri)
+    c = MlflowClient(tracking_uri=backend_uri_for(tracking_uri))
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
         raise QuantbenchError(f"no MLflow experiment {experiment!r} at {tracking_uri}; check --mlflow-experiment "

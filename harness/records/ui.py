@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import urllib.parse
 from pathlib import Path
 
 from harness.config import TrackingConfig
 from harness.records.mlflow_runs import runs_url
+from harness.records.server import backend_uri_for, redact
 
 HOST = "127.0.0.1"  # loopback only: the UI can change and delete runs
 
@@ -28,7 +30,7 @@ def experiment_links(store_uri: str, base_url: str) -> list[tuple[str, str]]:
         return []  # nothing recorded yet; do not create the store just to list it
     from mlflow.tracking import MlflowClient  # heavy (seconds): only when listing, after the cheap check above
 
-    c = MlflowClient(tracking_uri=store_uri)
+    c = MlflowClient(tracking_uri=backend_uri_for(store_uri))
     return [(e.name, runs_url(base_url, e.experiment_id)) for e in c.search_experiments()
             if c.search_runs([e.experiment_id], max_results=1)]
 
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
                          "starts 4 servers)")
     ap.add_argument("--links", action="store_true", help="print the links and exit, without starting the UI")
     args = ap.parse_args(argv)
+    if urllib.parse.urlsplit(args.backend_store_uri).password is not None:  # `ps` shows a command line to everyone
+        print(f"error: --backend-store-uri {redact(args.backend_store_uri)!r} holds a password, which `ps` shows to "
+              "every user; give the URI without it and put the password in ~/.pgpass (or PGPASSFILE)", file=sys.stderr)
+        return 2
     base = f"http://{HOST}:{args.port}"
     links = experiment_links(args.backend_store_uri, base)
     print(f"MLflow UI on {base} over {args.backend_store_uri}")
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     if args.links:
         return 0
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", args.backend_store_uri,
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", backend_uri_for(args.backend_store_uri),
            "--host", HOST, "--port", str(args.port)]
     if args.workers:
         cmd += ["--workers", str(args.workers)]
