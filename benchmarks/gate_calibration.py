@@ -74,7 +74,8 @@ def gate_run(name: str, run: int, overrides: str, args: argparse.Namespace) -> d
 def ci_run(run: int, overrides: str, base: str) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "harness.gate", "--baseline", overrides, "--baseline-rev", base,
-                           "--candidate", overrides, "--budget", "120", "--accuracy-baseline", "results/baselines/smoke.json", "--no-mlflow",
+                           "--candidate", overrides, "--allow-same", "--budget", "120",  # HEAD vs itself: on purpose
+                           "--accuracy-baseline", "results/baselines/smoke.json", "--no-mlflow",
                            "--output", "/tmp/qb-gate-calibration.json", "--summary", "/tmp/qb-gate-calibration.md"],
                           cwd=ROOT, capture_output=True, text=True)
     return {"scenario": "ci", "run": run, "exit": proc.returncode, "seconds": time.perf_counter() - t0,

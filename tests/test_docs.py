@@ -202,7 +202,9 @@ def _placeholders(text: str, work: Path) -> str:
     for key, value in subs.items():
         if key in text:
             text = text.replace(key, value())
-    text = re.sub(r"--(candidate|baseline)-rev\s+\S+", r"--\1-rev HEAD", text)
+    text, revs = re.subn(r"--(candidate|baseline)-rev\s+\S+", r"--\1-rev HEAD", text)
+    if revs and "--allow-same" not in text:  # HEAD on a clean clone is the candidate's own code: an A/A on purpose
+        text += " --allow-same"
     text = re.sub(r"^make gate\b(?:\s+BASE=\S+)?", "make gate BASE=HEAD", text)  # a base that exists, same code
     return text.replace("results/", f"{work}/results/")
 

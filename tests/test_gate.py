@@ -583,3 +583,38 @@ def test_write_baseline_round_trip(tmp_path, mlflow_dir):
     assert written["greedy_tokens"] == committed["greedy_tokens"]
     for k in gate.ACCURACY_METRICS:
         assert math.isclose(written["metrics"][k], committed["metrics"][k], rel_tol=1e-6, abs_tol=1e-9)
+
+
+def test_the_gate_refuses_to_compare_a_commit_with_itself(tmp_path):
+    """Same revision and overrides on both sides: refused (such a gate cannot fail), unless the candidate tree has
+    changes, the revisions or the configs differ; --allow-same is the A/A check's way round it (tests/test_gate_ci.py)."""
+    from harness.gate.sides import WorkerSide, self_comparison
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
+                       env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                            "GIT_COMMITTER_EMAIL": "t@t"})
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    (tmp_path / "a.py").write_text("x = 2\n")
+    git("commit", "-q", "-am", "two")
+
+    def sides(base_rev: str, cand_rev: str = "", cand: str = "quantizer=bf16") -> str:
+        base = WorkerSide("baseline", ["quantizer=bf16"], base_rev, repo=tmp_path)
+        other = WorkerSide("candidate", [cand], cand_rev, repo=tmp_path)
+        base.sha = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", base_rev], capture_output=True,
+                                  text=True, check=True).stdout.strip()  # what validate() sets
+        if cand_rev:
+            other.sha = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", cand_rev], capture_output=True,
+                                       text=True, check=True).stdout.strip()
+        return self_comparison(base, other)
+
+    assert "compare a commit with itself" in sides("HEAD")  # a clean checkout against its own commit
+    assert "--allow-same" in sides("HEAD") and sides("HEAD~1") == ""  # the parent: a real comparison
+    assert "compare a commit with itself" in sides("HEAD~1", cand_rev="HEAD~1")  # two revisions that are one
+    assert sides("HEAD", cand="quantizer=fp32") == ""  # another config is a comparison too
+    (tmp_path / "a.py").write_text("x = 3\n")  # the candidate has local changes: its code differs from HEAD
+    assert sides("HEAD") == ""

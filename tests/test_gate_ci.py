@@ -4,7 +4,8 @@ to every decode step fails (issue #24 item 3).
 A throwaway repository under tmp_path holds a copy of this checkout (tracked and untracked files, as
 `make gate` would see them) committed as the base; `.venv` is a link to this checkout's. Then:
 
-1. `make gate BASE=HEAD` (`--budget 60` to keep the suite short): the checkout against its own commit, a worker on each (same code, two trees,
+1. `make gate BASE=HEAD` refuses (exit 2: the same code and config on both sides cannot fail); with `--allow-same`
+   (`--budget 60` to keep the suite short): the checkout against its own commit, a worker on each (same code, two trees,
    two processes): must pass, with its accuracy against the committed baseline and its MLflow run (the suite's
    one real A/A gate). Its baseline tokens/s gives the step time on this machine now.
 2. A second commit adds real matrix work (a fixed number of 64 x 64 products, as a real regression would)
@@ -52,10 +53,11 @@ def git(repo: Path, *args: str) -> str:
                           env=env).stdout.strip()
 
 
-def make_gate(repo: Path, base: str, out: Path, budget: int = 60, mlflow: bool = False) -> tuple[int, str, dict]:
+def make_gate(repo: Path, base: str, out: Path, budget: int = 60, mlflow: bool = False,
+              extra: str = "") -> tuple[int, str, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GITHUB_STEP_SUMMARY", "MAKEFLAGS")}
     # -o setup: the venv is this checkout's, already set up (`make gate` runs scripts/setup.sh first)
-    args = f"{'' if mlflow else '--no-mlflow '}--budget {budget} --output {out}"
+    args = f"{'' if mlflow else '--no-mlflow '}--budget {budget} --output {out} {extra}".strip()
     proc = subprocess.run(["make", "-o", "setup", "gate", f"BASE={base}", f"GATE_ARGS={args}"], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=900)
     record = json.loads(out.read_text()) if out.exists() else {}
@@ -113,7 +115,10 @@ def test_make_gate_passes_an_unchanged_commit_and_fails_one_that_adds_decode_wor
 
     # 1. A/A: the same code on both sides (the checkout and its own commit) never regresses; decided or, on a
     #    wild machine, undecided, and it says which; accuracy against the committed baseline; the MLflow run
-    code, log, record = make_gate(repo, "HEAD", tmp_path / "same.json", mlflow=True)
+    #    (on purpose: --allow-same; without it the gate refuses to compare a commit with itself, exit 2 at once)
+    code, log, _ = make_gate(repo, "HEAD", tmp_path / "refused.json")
+    assert code == 2 and "compare a commit with itself" in log, log[-3000:]
+    code, log, record = make_gate(repo, "HEAD", tmp_path / "same.json", mlflow=True, extra="--allow-same")
     assert code == 0, log[-3000:]
     summary = (repo / "results" / "gate-summary.md").read_text()
     assert "PASS" in summary and "4/4 prompts identical" in summary and "Stopped:" in summary, summary

@@ -25,7 +25,7 @@ from harness import quiet_third_party
 from harness.errors import QuantbenchError
 from harness.gate import accuracy, interleave, report
 from harness.gate.errors import ERROR, PASS, REGRESSION, GateError
-from harness.gate.sides import make_side
+from harness.gate.sides import make_side, self_comparison
 from harness.gate.stats import REGRESSION as SPEED_REGRESSION
 from harness.gate.stats import SpeedStats
 
@@ -53,6 +53,7 @@ class GateOptions:
     write_baseline: bool = False
     greedy_tokens: int = 0
     skip_speed: bool = False
+    allow_same: bool = False  # an A/A noise check on purpose: the same code and config on both sides
     summary: str = ""
     output: str = ""
     mlflow: bool = True
@@ -130,6 +131,8 @@ def run_gate(opts: GateOptions) -> GateResult:
             data = accuracy.load_baseline(Path(opts.accuracy_baseline))
         for side in sides:  # git checks (revision, protocol): nothing started yet
             side.validate()
+        if len(sides) == 2 and not opts.allow_same and (same := self_comparison(base, cand)):
+            raise GateError(same)
         # both workers start and check their configs (each by its own code, before any model loads) at once,
         # then load at once: each is its own process, so their imports and loads overlap on the cores
         # instead of queueing (~4 s of a tiny-model gate on 2 cores); measuring starts after both are loaded
@@ -196,6 +199,9 @@ def parse_args(argv: list[str] | None) -> GateOptions:
     ap.add_argument("--write-baseline", action="store_true", help="write the candidate's metrics to that file")
     ap.add_argument("--greedy-tokens", type=int, default=0, help="compare only the first N greedy tokens (0=all)")
     ap.add_argument("--skip-speed", action="store_true", help="accuracy check only")
+    ap.add_argument("--allow-same", action="store_true",
+                    help="allow the same code and config on both sides (an A/A noise check; refused otherwise: "
+                         "such a gate cannot fail)")
     ap.add_argument("--summary", default="", help="also write the markdown summary here")
     ap.add_argument("--output", default="", help="gate JSON record (default: <results_dir>/gate/...)")
     ap.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
@@ -210,7 +216,8 @@ def parse_args(argv: list[str] | None) -> GateOptions:
                        min_blocks=args.min_blocks, max_blocks=args.max_blocks,
                        budget_s=args.budget, resamples=args.resamples, seed=args.seed, confidence=args.confidence,
                        accuracy_baseline=args.accuracy_baseline, write_baseline=args.write_baseline,
-                       greedy_tokens=args.greedy_tokens, skip_speed=args.skip_speed, summary=args.summary,
+                       greedy_tokens=args.greedy_tokens, skip_speed=args.skip_speed, allow_same=args.allow_same,
+                       summary=args.summary,
                        output=args.output, mlflow=not args.no_mlflow, timeout_s=args.timeout)
 
 

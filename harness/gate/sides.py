@@ -198,5 +198,24 @@ class WorkerSide:
             self.tmp = None
 
 
+def self_comparison(base: WorkerSide, cand: WorkerSide) -> str:
+    """One line when the two (validated) sides would run the same code on the same config, else ''. Such a gate
+    cannot fail (the brief's "a CI gate that compares a commit with itself"): a push job whose BASE=origin/main is
+    the pushed commit itself, or `--baseline-rev HEAD` on a clean checkout. The candidate's code is its revision,
+    or this checkout's HEAD when nothing in it differs from HEAD (tracked changes and new untracked files count)."""
+    if not base.sha or base.overrides != cand.overrides:
+        return ""
+    if cand.rev:
+        same = cand.sha == base.sha
+    else:
+        same = (git("rev-parse", "HEAD", repo=cand.repo) == base.sha
+                and not git("status", "--porcelain", repo=cand.repo))
+    if not same:
+        return ""
+    return (f"--baseline-rev {base.rev} ({base.sha[:12]}) is the candidate's own code and config: the gate would "
+            "compare a commit with itself and could not fail; compare with the parent (BASE=HEAD~1) or the branch "
+            "point (BASE=origin/main in a pull request), or pass --allow-same for an A/A noise check")
+
+
 def make_side(label: str, overrides: list[str], rev: str, timeout_s: float, repo: Path | None = None) -> WorkerSide:
     return WorkerSide(label, overrides, rev, timeout_s, repo)
