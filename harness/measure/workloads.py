@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import statistics
-import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ import numpy as np
 from harness.analysis.crossover import flop_metrics
 from harness.cache import cache_root
 from harness.errors import QuantbenchError
+from harness.gguf_meta import HEADER_ERRORS, gguf_context_length
 from harness.measure.prompts import JSONL_KEYS, SYNTHETIC, SYNTHETIC_DEFAULT_COUNT, Source, parse, source_problems
 from harness.models import load_tokenizer
 
@@ -60,51 +60,6 @@ TEMPLATE_SLACK = 256
 
 
 # ---------------------------------------------------------------------------------------------- context
-def gguf_context_length(path: str | Path) -> int | None:
-    """`<arch>.context_length` from a GGUF header, reading only the metadata (milliseconds; not the tensors)."""
-    scalars = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-               12: "<d"}
-
-    with open(path, "rb") as fh:
-        def read(fmt: str) -> Any:
-            size = struct.calcsize(fmt)
-            return struct.unpack(fmt, fh.read(size))[0]
-
-        def string() -> str:
-            return fh.read(read("<Q")).decode("utf-8", "replace")
-
-        def value(kind: int) -> Any:
-            if kind == 8:
-                return string()
-            if kind == 9:
-                sub, count = read("<I"), read("<Q")
-                if sub in scalars:  # skip fixed-size arrays in one seek
-                    fh.seek(struct.calcsize(scalars[sub]) * count, os.SEEK_CUR)
-                else:
-                    for _ in range(count):
-                        value(sub)
-                return None
-            return read(scalars[kind])
-
-        if fh.read(4) != b"GGUF":
-            return None
-        version = read("<I")
-        count_fmt = "<Q" if version >= 2 else "<I"
-        read(count_fmt)  # tensors
-        n_kv = read(count_fmt)
-        arch, found = None, {}
-        for _ in range(n_kv):
-            key = string()
-            val = value(read("<I"))
-            if key == "general.architecture":
-                arch = val
-            elif key.endswith(".context_length"):
-                found[key] = val
-            if arch and f"{arch}.context_length" in found:
-                return int(found[f"{arch}.context_length"])
-    return None
-
-
 def context_length(model: Any) -> int | None:
     """The model's context (positions) from its config, without loading weights; None when unknown."""
     n = getattr(model, "max_position_embeddings", None)  # a model built from a config (tiny_random)
@@ -117,7 +72,7 @@ def context_length(model: Any) -> int | None:
     if gguf is not None:
         try:
             return gguf_context_length(gguf)
-        except (OSError, struct.error, UnicodeDecodeError):
+        except HEADER_ERRORS:  # a damaged file: GGUFFile.preflight refuses it in one line
             return None
     local = Path(str(getattr(model, "name_or_path", "") or ""))
     if local.name and (local / "config.json").is_file():  # a local HF checkpoint; a hub id is checked later

@@ -27,6 +27,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tok_models
 
+from harness import gguf_meta
 from harness.cache import atomic_dir, cache_root, file_key, short_hash
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.models import hub
@@ -135,6 +136,15 @@ class GGUFFile(ModelSource):
     def preflight(self) -> None:
         if not Path(self.path).is_file():
             raise QuantbenchError(f"model.path={self.path!r}: no such GGUF file; check the path")
+        with open(self.path, "rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise QuantbenchError(f"model.path={self.path!r} is not a GGUF file (it does not start with the GGUF "
+                                      "magic bytes); check the path")
+        try:  # the header up to the context length (milliseconds): a damaged file fails here, not after a load
+            gguf_meta.gguf_context_length(self.path)
+        except gguf_meta.HEADER_ERRORS as exc:
+            raise QuantbenchError(f"model.path={self.path!r} is a damaged GGUF file ({type(exc).__name__} while "
+                                  "reading its header: a partial download or copy?); fetch it again") from exc
 
     def local_dir(self) -> Path:
         self.preflight()
