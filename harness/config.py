@@ -29,7 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from harness.analysis import corpus, task_accuracy, tasks
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.load.config import LoadConfig, SloConfig
-from harness.measure.workloads import source_problems
+from harness.measure.workloads import context_length, source_problems
 from harness.schema import (
     COMPILE_BACKENDS,
     COMPILE_MATCH,
@@ -93,6 +93,10 @@ class MeasureConfig(Validated):
         positive(p, "measure.repetitions", self.repetitions)
         positive(p, "measure.max_new_tokens", self.max_new_tokens)
         positive(p, "measure.threads", self.threads, allow_zero=True)
+        cores = len(os.sched_getaffinity(0))
+        if isinstance(self.threads, int) and not isinstance(self.threads, bool) and self.threads > cores:
+            p.append(f"measure.threads={self.threads} is more than the {cores} cores this process may use (threads "
+                     f"beyond them only wait for a core and slow every step); give 1-{cores}, or 0 for all")
         positive(p, "measure.inject_slowdown", self.inject_slowdown, allow_zero=True)
         positive(p, "measure.inject_work", self.inject_work, allow_zero=True)
         for err in (one_of("measure.device", self.device, DEVICES),
@@ -274,7 +278,7 @@ class Experiment:
 
 
 def _instantiate(section: str, node: Any, problems: list[str]) -> Any:
-    if node is None or (isinstance(node, dict) and "_target_" not in node):
+    if node is None or not isinstance(node, dict) or "_target_" not in node:  # `~model` leaves a '???' string
         problems.append(f"{section}: no option chosen; pick one with {section}=<option> (see conf/{section}/)")
         return None
     if (bad := target_problems(section, node)):
@@ -340,6 +344,10 @@ def build(cfg: DictConfig | dict) -> Experiment:
                     check(parts=parts, measure=measure, accuracy=accuracy)
                 except QuantbenchError as exc:
                     problems.append(str(exc))
+        ctx = context_length(parts["model"]) if accuracy.enabled and parts["model"] is not None else None
+        if ctx and accuracy.context_length > ctx:  # windows past the model's positions score garbage, silently
+            problems.append(f"accuracy.context_length={accuracy.context_length} is beyond the model's context of "
+                            f"{ctx} positions; give accuracy.context_length <= {ctx}")
     if problems:
         raise ConfigError(problems)
     return Experiment(measure=measure, accuracy=accuracy, tracking=tracking, load=load,

