@@ -136,7 +136,7 @@ NOT_HERE = {  # command (as extracted) -> why it cannot run on this machine; che
     "make test": "is this test suite itself: CI runs it through .ci/run",
     "make ui": "runs in tests/test_mlflow_ui.py (on a free port and that test's store), which opens the link it "
                "prints in a browser",
-    **dict.fromkeys(("make gate", "make gate BASE=HEAD", "make gate BASE=origin/main",
+    **dict.fromkeys(("make gate", "make gate BASE=origin/main",
                      "make gate BASE=origin/$GITHUB_BASE_REF", "make gate GATE_ARGS=--no-mlflow"),
                     "is CI's gate step: .ci/run runs it right after this suite, and tests/test_gate_ci.py runs it on "
                     "a throwaway pair of commits (an unchanged one passes, one with more work per step fails)"),
