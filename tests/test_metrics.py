@@ -141,3 +141,23 @@ def test_report_columns_and_directions_come_from_the_table():
     assert shown == [n for n in metrics.report_columns() if metrics.METRICS[n].column.always or
                      n == "energy_j_per_token"]
     assert "roofline" not in md and "accept" not in md  # no cell has them
+
+
+def test_a_ratio_compares_within_the_same_threads_and_invocation_and_names_llama_cpp_formats():
+    """rows.rows_for: the baseline of a cell is the `none` cell with its thread count (not the first `none` found),
+    from its own invocation where it has one; a llama.cpp cell is its format, never a second `none` baseline."""
+    def cell(q: str, tps: float, threads: int, inv: str = "i1", **tags: str) -> dict:
+        c = _cell(f"{tags.get('engine', q)}@{threads}", q, tps)
+        c["tags"].update({"threads": str(threads), "quantbench.invocation": inv, **tags})
+        c["config"] = {"measure": {"threads": threads, "max_new_tokens": 8}}
+        return c
+
+    rows = report.rows_for([cell("none", 100.0, 1), cell("none", 180.0, 2), cell("bf16", 90.0, 1),
+                            cell("bf16", 198.0, 2), cell("none", 120.0, 1, inv="i2"), cell("int8", 60.0, 1, inv="i2"),
+                            cell("none", 40.0, 2, engine="llama_cpp", **{"engine.format": "Q8_0"})], "none")
+    ratio = {(r["cell"], r["invocation"]): r["ratio"] for r in rows}
+    assert ratio[("none@1", "i1")] == ratio[("none@2", "i1")] == ratio[("none@1", "i2")] == 1.0
+    assert ratio[("bf16@1", "i1")] == pytest.approx(0.9) and ratio[("bf16@2", "i1")] == pytest.approx(1.1)
+    assert ratio[("int8@1", "i2")] == pytest.approx(0.5)  # its own invocation's none (120), not i1's (100)
+    llama = next(r for r in rows if r["tags"].get("engine") == "llama_cpp")
+    assert llama["quantizer"] == "llama_cpp:Q8_0" and llama["ratio"] == pytest.approx(40.0 / 180.0)

@@ -26,6 +26,7 @@ from typing import Any
 
 from harness.analysis import figures
 from harness.metrics import value
+from harness.records.rows import baseline_key
 
 
 # ------------------------------------------------------------------------------------------ flop model
@@ -96,10 +97,14 @@ def points(rows: list[dict], baseline: str) -> dict[str, list[dict]]:
         f = value(r["metrics"], "prefill_flops_per_s")
         if f:
             ceiling[(*where(r), r["quantizer"])] = max(f, ceiling.get((*where(r), r["quantizer"]), 0.0))
-    base = {(*where(r), r["strategy"], r["batch"], r["depth"]): r for r in ok if r["quantizer"] == baseline}
+    base: dict[tuple, dict] = {}  # the baseline row per key (rows.baseline_key), own invocation first
+    for r in ok:
+        if r["quantizer"] == baseline:
+            base.setdefault((*baseline_key(r), r.get("invocation", "")), r)
+            base.setdefault((*baseline_key(r), None), r)
     out: dict[str, list[dict]] = {}
     for r in ok:
-        b = base.get((*where(r), r["strategy"], r["batch"], r["depth"]))
+        b = base.get((*baseline_key(r), r.get("invocation", ""))) or base.get((*baseline_key(r), None))
         if r["quantizer"] == baseline or b is None:
             continue
         mine = predicted_tokens_per_s(r["metrics"], ceiling.get((*where(r), r["quantizer"])))

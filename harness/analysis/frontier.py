@@ -33,6 +33,7 @@ from typing import Any
 from harness.analysis import intervals
 from harness.metrics import HEADLINE
 from harness.metrics import value as _num
+from harness.records.rows import baselines, lookup
 from harness.records.rows import group as _group
 
 ALPHA = 0.05  # significance level of the Holm-corrected task-accuracy test
@@ -117,14 +118,11 @@ def points(rows: list[dict], baseline: str, probes: list[dict] | None = None) ->
     again = replicates(rows, probes or [])
     half = math.exp((drift_of(rows, probes or []) or 0.0) / 2)
     ok = [r for r in rows if r["status"] == "OK" and _num(r["metrics"], HEADLINE)]
-    base: dict[tuple[str, str], float] = {}
-    for r in ok:
-        if r["quantizer"] == baseline:
-            base.setdefault((r["machine"], _group(r)), _speed(r["metrics"], again.get(r["tags"].get("config_hash")))[0])
+    base = baselines(ok, baseline, lambda r: _speed(r["metrics"], again.get(r["tags"].get("config_hash")))[0])
     out = []
     for r in ok:
         m, t = r["metrics"], r["tags"]
-        (tps, p10, p90), ref = _speed(m, again.get(t.get("config_hash"))), base.get((r["machine"], _group(r)))
+        (tps, p10, p90), ref = _speed(m, again.get(t.get("config_hash"))), lookup(base, r)
         if not ref:
             continue  # no baseline cell for this model/strategy/batch: no speedup to draw
         pt = Point(cell=r["cell"], fmt=r["quantizer"], kernel=_kernel(t), machine=r["machine"], group=_group(r),

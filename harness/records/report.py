@@ -79,7 +79,8 @@ def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
     lines = [f"# {title}", "",
              f"{len(rows)} cell(s): " + ", ".join(f"{n} {s}" for s, n in sorted(_counts(rows).items())) + ". "
              f"Speed ratio against the `{baseline}` cell of the same machine, model, strategy, batch size and "
-             "context depth (none where that cell is missing); KL and top-1 "
+             "context depth, run with the same threads, tokens, prompts and dtype (none where that cell is "
+             "missing); KL and top-1 "
              "against the unquantized reference. ↑ higher is better, ↓ lower is better (harness/metrics.py).", "",
              *_machine_line(rows), "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:

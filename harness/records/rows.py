@@ -1,8 +1,12 @@
 """The report's view of a sweep's cells: one row per result dict, with its speed ratio to the baseline cell.
 
 A ratio only compares like with like: the baseline cell of the same machine, model, strategy, batch size and
-context depth (`group`). A cell with no such baseline gets no ratio rather than one against another shape's
-or another machine's speed (a gpu_scaling sweep runs three model shapes; a merged report can hold two CPUs)."""
+context depth (`group`), run with the same speed settings (`SPEED_KEYS`: threads, tokens, prompts, dtype, device)
+and, where the rows hold several invocations of a sweep, from the same invocation when it has one. A cell with no
+such baseline gets no ratio rather than one against another shape's, another machine's or another thread count's
+speed (a gpu_scaling sweep runs three model shapes; a merged report can hold two CPUs; a sweep may vary threads).
+Settings a format sets itself (measure.path, measure.compile: conf/format's `*_eager`) are part of the compared
+format, not of the key. A llama.cpp cell's format is `llama_cpp:<format>` (engine.format), never `none`."""
 
 from __future__ import annotations
 
@@ -21,7 +25,11 @@ def describe(cell: dict) -> dict[str, Any]:
         "cell": tags.get("sweep.cell") or cell.get("run_name") or "?",
         "model": tags.get("model.name") or "?",
         "machine": machine_key(tags),
-        "quantizer": tags.get("quantizer.name") or tags.get("choice.quantizer") or "?",
+        "quantizer": (f"llama_cpp:{tags.get('engine.format') or (config.get('engine') or {}).get('format') or '?'}"
+                      if tags.get("engine") == "llama_cpp" or tags.get("choice.engine") == "llama_cpp"
+                      else tags.get("quantizer.name") or tags.get("choice.quantizer") or "?"),
+        "setting": setting(config, tags),
+        "invocation": tags.get("quantbench.invocation", ""),
         "strategy": tags.get("strategy.name") or tags.get("choice.strategy") or "?",
         "batch": int(batch),
         "depth": int(depth),  # measure.context_depth: tokens in the KV cache before the prompt
@@ -46,20 +54,45 @@ def group(r: dict) -> str:
     return f"{r['model']} / {r['strategy']} / batch {r['batch']}" + (f" / depth {r['depth']}" if r.get("depth") else "")
 
 
-def _baseline_speed(rows: list[dict], baseline: str) -> dict[tuple[str, str], float]:
-    speeds: dict[tuple[str, str], float] = {}
+SPEED_KEYS = ("measure.threads", "measure.max_new_tokens", "measure.prompts", "measure.prompt_tokens",
+              "measure.chat_template", "measure.device", "model.dtype")
+
+
+def setting(config: dict, tags: dict) -> str:
+    """The speed settings a ratio must hold equal (module docstring): the threads the run used, then SPEED_KEYS."""
+    values = [str(tags.get("threads", ""))]
+    for key in SPEED_KEYS:
+        section, _, name = key.partition(".")
+        values.append(str((config.get(section) or {}).get(name, "")))
+    return "|".join(values)
+
+
+def baseline_key(r: dict) -> tuple[str, str, str]:
+    """What a cell's ratio compares within: machine, group and speed settings (module docstring)."""
+    return r["machine"], group(r), r.get("setting", "")
+
+
+def baselines(rows: list[dict], baseline: str, speed: Any = None) -> dict[tuple, float]:
+    """The baseline speed of each key, per invocation and (the first found) for any invocation: `lookup` reads it."""
+    speed = speed or (lambda r: _num(r["metrics"], HEADLINE))
+    out: dict[tuple, float] = {}
     for r in rows:
-        tps = _num(r["metrics"], HEADLINE)
-        if r["status"] == "OK" and r["quantizer"] == baseline and tps:
-            speeds.setdefault((r["machine"], group(r)), tps)
-    return speeds
+        if r["status"] == "OK" and r["quantizer"] == baseline and (tps := speed(r)):
+            out.setdefault((*baseline_key(r), r.get("invocation", "")), tps)
+            out.setdefault((*baseline_key(r), None), tps)
+    return out
+
+
+def lookup(speeds: dict[tuple, float], r: dict) -> float | None:
+    """The baseline of row `r`: its own invocation's, else any invocation's with the same key."""
+    return speeds.get((*baseline_key(r), r.get("invocation", ""))) or speeds.get((*baseline_key(r), None))
 
 
 def rows_for(cells: list[dict], baseline: str = "none") -> list[dict]:
     rows = [describe(c) for c in cells]
-    speeds = _baseline_speed(rows, baseline)
+    speeds = baselines(rows, baseline)
     for r in rows:
-        base = speeds.get((r["machine"], group(r)))
+        base = lookup(speeds, r)
         tps = _num(r["metrics"], HEADLINE)
         r["ratio"] = tps / base if (tps and base and r["status"] == "OK") else None
     return rows
