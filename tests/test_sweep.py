@@ -379,3 +379,21 @@ def test_report_command_regenerates_from_folder_and_mlflow(tmp_path):
     text2 = (out / "report.md").read_text()
     assert "| quantizer=int8 | int8 |" in text2 and "| 1.50 |" in text2
     assert report.main([str(tmp_path / "nope")]) == 2
+
+    # resumed with another setting: the parent run is re-opened; both reports show the latest invocation's cells
+    # only (the first invocation's children stay in MLflow), with its own ratio
+    again = SweepState(name="rep", folder=str(tmp_path / "rep"), invocation="inv2", commit="abc",
+                       owner=owner_id(), tracking=vars(tcfg).copy())
+    again.parent_run_id = open_parent_run(again, state.parent_run_id)
+    for label, q, tps in (("quantizer=none", "none", 20.0), ("quantizer=int8", "int8", 25.0)):
+        r = Result(status="OK", config={"quantizer": {"q": q}, "measure": {"max_new_tokens": 16}},
+                   metrics={"decode_tokens_per_s": tps}, tags={"quantizer.name": q, "strategy.name": "Greedy"},
+                   config_hash=q * 3, started=time.time(), ended=time.time())
+        append_manifest(again, r.config_hash, label)
+        record_cell(r, cell_path(Path(again.folder), r.config_hash), again, label, {}, None, tcfg)
+    again.save()
+    for args in ([str(tmp_path / "rep"), "--out", str(tmp_path / "dir2")],
+                 ["--mlflow-experiment", "rep", "--tracking-uri", tcfg.uri, "--out", str(tmp_path / "ml2")]):
+        assert report.main(args) == 0
+        table = [ln for ln in (Path(args[-1]) / "report.md").read_text().splitlines() if ln.startswith("| quantizer=")]
+        assert len(table) == 2 and "| 1.25 |" in table[1], table

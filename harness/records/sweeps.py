@@ -22,6 +22,7 @@ from harness.metrics import HEADLINE
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.rows import rows_for
 from harness.records.server import backend_uri_for
+from harness.sweep.resume import REUSED_TAG
 
 DRIFT_FILE = "drift.json"  # results/<sweep>/drift.json: the drift probe (harness/sweep/drift.py)
 OF_TAG = "drift_probe.of"  # the probe's tag: the config hash of the cell it repeats
@@ -63,9 +64,14 @@ def _from_parent(c, exp_id: str, parent) -> Sweep:  # noqa: ANN001 - mlflow obje
     children = c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
                              order_by=["attributes.start_time ASC"], max_results=5000)
     latest: dict[str, dict] = {}
+    now = parent.data.tags.get("quantbench.invocation", "")  # the latest invocation (a resumed sweep has several)
     for run in children:
         tags = dict(run.data.tags)
         if tags.get("superseded_by"):
+            continue
+        # as the folder's report: the latest invocation's cells, measured by it or reused by it (resume.reused)
+        if now and tags.get("quantbench.invocation", now) != now and \
+                not tags.get(REUSED_TAG, "").startswith(f"{now}:"):
             continue
         params = run.data.params
         status = tags.get("status") or {"FINISHED": "OK", "KILLED": "KILLED"}.get(run.info.status, "FAILED")
