@@ -161,3 +161,13 @@ def test_a_ratio_compares_within_the_same_threads_and_invocation_and_names_llama
     assert ratio[("int8@1", "i2")] == pytest.approx(0.5)  # its own invocation's none (120), not i1's (100)
     llama = next(r for r in rows if r["tags"].get("engine") == "llama_cpp")
     assert llama["quantizer"] == "llama_cpp:Q8_0" and llama["ratio"] == pytest.approx(40.0 / 180.0)
+
+
+def test_a_figure_names_the_cpu_its_speeds_ran_on():
+    cpu = {"cpu_model": "AMD EPYC", "cpu.family": "25", "cpu.model": "17", "cpu.isa": "avx512_bf16", "cpu.bf16": "native"}
+    cells = [_cell("a", "none", 20.0), _cell("b", "int8", 30.0)]
+    for c, threads in zip(cells, ("1", "2"), strict=True):
+        c["tags"].update(cpu, threads=threads)
+    line = report.on_machines(report.rows_for(cells, "none"))
+    assert line == "\nAMD EPYC (family 25 model 17, avx512_bf16, bf16 native), 1/2 threads"
+    assert report.on_machines(report.rows_for([_cell("a", "none", 20.0)], "none")) == ""  # no CPU recorded: no line

@@ -292,6 +292,11 @@ def test_the_scaling_section_fits_the_fixed_cost_per_step_and_reads_the_speedups
     assert "- 8b, ? threads, bf16 (compiled): 700.0 ms/token" in text  # the best path of bf16, not its eager row
     assert scaling.write(tmp_path, rows)[0].stat().st_size > 10_000
     assert scaling.section(rows[:6]) == "" and scaling.write(tmp_path / "x", rows[:6]) == []  # one size: no section
+    assert f"| {1024 * 2**20 / 1e9:.1f} ({1100 * 2**20 / 1e9:.1f}) |" in line  # peak MiB shown as GB: 1.1 (1.2)
+    # ms/token that does not grow with the bytes (sizes too close, or noise): no fitted number, "undecided"
+    flat = [_row("a", "llama_cpp", "BF16", 1e8, 0.20, 5.0), _row("b", "llama_cpp", "BF16", 1.1e8, 0.22, 4.0)]
+    fixed = [ln for ln in scaling.section(flat).splitlines() if ln.startswith("| ? | llama.cpp |")]
+    assert fixed and all("| undecided | undecided: ms/token does not grow with GB/step" in ln for ln in fixed), fixed
 
 
 def test_the_scaling_experiment_narrowed_to_the_tiny_presets(tmp_path):

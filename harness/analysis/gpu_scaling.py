@@ -59,7 +59,8 @@ def points(rows: list[dict]) -> list[dict]:
             "floor_share": value(m, "linear_floor_share"), "rest_ms": value(m, "step_rest_ms"),
             "kernel": str(t.get("kernel.linear") or t.get("kernel_path") or ""),
             "path": str(t.get("fast_path") or t.get("decode_path") or ""), "params": value(m, "params") or 0.0,
-            "peak_gb": peak / 1024 if peak else None, "load_s": value(m, "load_s"), "gpu": t.get("device_name", "")}
+            "peak_gb": peak * 2**20 / 1e9 if peak else None,  # MiB -> GB
+            "load_s": value(m, "load_s"), "gpu": t.get("device_name", "")}
     return sorted(found.values(), key=lambda p: (_shape_key(p["shape"], found), _format_key(p["format"]), p["batch"]))
 
 

@@ -255,7 +255,7 @@ def run_group(exp: Any, engine: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- plot
-def roofline_plot(rows: list[dict], path: str | Path) -> Path:
+def roofline_plot(rows: list[dict], path: str | Path, machine: str = "") -> Path:
     """Achieved vs bound decode tok/s per cell (rows: label, decode_tokens_per_s, roofline_tokens_per_s)."""
     import matplotlib  # heavy: only when a report draws the plot
 
@@ -279,7 +279,7 @@ def roofline_plot(rows: list[dict], path: str | Path) -> Path:
         ax.set_ylim(0, hi)
     ax.set_xlabel("roofline decode tokens/s (batch x bandwidth / bytes per step)")
     ax.set_ylabel("achieved decode tokens/s")
-    ax.set_title("decode: achieved vs memory-bandwidth bound")
+    ax.set_title("decode: achieved vs memory-bandwidth bound" + machine, fontsize=9)  # machine: "\n<CPU>"
     if rows:
         ax.legend(loc="upper left", fontsize=8)
     return figures.save(fig, path, dpi=120)

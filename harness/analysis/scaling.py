@@ -24,6 +24,8 @@ from pathlib import Path
 from harness.analysis import figures
 from harness.metrics import value
 
+MIB = 2**20  # peak_mem_mb and mem_estimate_mb are MiB (harness/measure/memory.py); the tables print GB (1e9)
+
 PAIRS = {"bf16": "BF16", "fp16": "F16", "int8": "Q8_0", "int4": "Q4_0"}  # quantbench format : llama.cpp format
 SIXTEEN = {"transformers": ("bf16", "none", "fp16", "auto16"), "llama_cpp": ("BF16", "F16")}
 TARGET = 0.75  # each format's best path against llama.cpp in the same format (#30)
@@ -55,8 +57,8 @@ def points(rows: list[dict]) -> list[dict]:
         out.append({"size": t.get("model.arch") or t.get("model.name", "?"), "engine": engine, "format": fmt,
                     "params": value(m, "params") or 0.0, "gb": step / 1e9, "ms": 1e3 / tps,
                     "roofline_ms": step / (bw * 1e9) * 1e3 if bw else None,
-                    "fraction": value(m, "roofline_fraction"), "peak_gb": (value(m, "peak_mem_mb") or 0) / 1024,
-                    "est_gb": (value(m, "mem_estimate_mb") or 0) / 1024 or None, "load_s": value(m, "load_s"),
+                    "fraction": value(m, "roofline_fraction"), "peak_gb": (value(m, "peak_mem_mb") or 0) * MIB / 1e9,
+                    "est_gb": (value(m, "mem_estimate_mb") or 0) * MIB / 1e9 or None, "load_s": value(m, "load_s"),
                     "cached": t.get("gguf_cache") == "hit", "bw": bw,
                     "path": "ggml" if engine == "llama_cpp" else t.get("decode_path") or t.get("fast_path", "eager"),
                     "threads": str(t.get("threads", "?")),
@@ -82,6 +84,11 @@ def fit(pts: list[dict]) -> tuple[float, float] | None:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     return my - slope * mx, (1e3 / slope if slope > 0 else float("inf"))  # ms per GB -> GB per s
+
+
+def decided(got: tuple[float, float]) -> bool:
+    """A fit that means something: a positive bandwidth and a fixed cost that is not negative."""
+    return math.isfinite(got[1]) and got[1] > 0 and got[0] >= 0
 
 
 def _label(engine: str) -> str:
@@ -210,8 +217,13 @@ def section(rows: list[dict]) -> str:
     for (threads, engine, fmt, path), sel in sorted(groups.items(), key=lambda kv: (kv[0][:2], kv[0][2] != "all formats",
                                                                                     kv[0][2:])):
         got = fit(sel)
-        if got is not None:
+        if got is None:
+            continue
+        if decided(got):
             lines.append(f"| {threads} | {_label(engine)} | {fmt} | {path} | {len(sel)} | {got[0]:.1f} | {got[1]:.1f} |")
+        else:  # sizes too close (or noise too large) for a line through them: say so, print no number
+            lines.append(f"| {threads} | {_label(engine)} | {fmt} | {path} | {len(sel)} | undecided | undecided: "
+                         "ms/token does not grow with GB/step over these sizes |")
     if (found := verdicts(pts)):
         lines += ["", f"Each format's best path against llama.cpp in the same format (target {TARGET}x; the kernel "
                       "rate beside llama.cpp's bytes / whole step):", "", *found]
@@ -250,7 +262,7 @@ def write(folder: Path, rows: list[dict], title: str = "scaling") -> list[Path]:
                 label=f"roofline: bytes / {bw:.0f} GB/s (measured)")
     for k, engine in enumerate(sorted({p["engine"] for p in pts})):
         got = fit([p for p in pts if p["engine"] == engine])
-        if got is not None and math.isfinite(got[1]):
+        if got is not None and decided(got):
             ax.plot(grid, [got[0] + g / got[1] * 1e3 for g in grid], ls="--", lw=1, color="grey" if k == 0 else "tab:brown",
                     label=f"{_label(engine)} fit: {got[0]:.1f} ms + bytes / {got[1]:.0f} GB/s")
     ax.set_xscale("log")

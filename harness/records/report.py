@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 from pathlib import Path
 
 from harness.analysis import crossover, figures, frontier, frontier_plot, gpu_scaling, scaling, task_accuracy
@@ -144,6 +145,16 @@ def _counts(rows: list[dict]) -> dict[str, int]:
     return out
 
 
+def on_machines(rows: list[dict]) -> str:
+    """A figure title's second line: the CPU (or GPU) every speed in it was measured on."""
+    per: dict[str, list[str]] = {}  # "<cpu>, N threads" -> one line per CPU with its thread counts
+    for m in machines(rows):
+        cpu, _, threads = m.rpartition(", ")
+        per.setdefault(cpu or m, []).append(threads.replace(" threads", "") if cpu else "")
+    lines = [f"{cpu}, {'/'.join(t for t in th if t)} threads" if any(th) else cpu for cpu, th in per.items()]
+    return "".join("\n" + textwrap.shorten(ln, 110) for ln in lines[:3])
+
+
 def plot(rows: list[dict], path: Path, title: str = "sweep") -> Path:
     """Tokens/s against KL divergence, one labelled point per OK cell (p10–p90 as error bars)."""
     import matplotlib
@@ -167,7 +178,8 @@ def plot(rows: list[dict], path: Path, title: str = "sweep") -> Path:
     ax.set_xlabel("KL divergence to the reference (mean, lower is better; x = not measured)")
     ax.set_ylabel("decode tokens/s (higher is better)")
     bad = len(rows) - len(ok)
-    ax.set_title(f"{title}: speed vs quality" + (f" ({bad} cell(s) not OK, see report.md)" if bad else ""))
+    ax.set_title(f"{title}: speed vs quality" + (f" ({bad} cell(s) not OK, see report.md)" if bad else "")
+                 + on_machines(rows), fontsize=9)
     ax.grid(True, alpha=0.3)
     return figures.save(fig, path)
 
@@ -194,7 +206,7 @@ def write_report(folder: Path, cells: list[dict], baseline: str = "none", title:
               "roofline_tokens_per_s": _num(r["metrics"], "roofline_tokens_per_s")}
              for r in rows if r["status"] == "OK" and _num(r["metrics"], "roofline_tokens_per_s")]
     if bound:  # achieved vs bound per cell (harness.analysis.roofline)
-        paths.append(roofline_plot(bound, folder / "roofline.png"))
+        paths.append(roofline_plot(bound, folder / "roofline.png", on_machines(rows)))
     return paths
 
 
