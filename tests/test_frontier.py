@@ -57,6 +57,18 @@ def test_a_format_beaten_on_both_axes_beyond_the_intervals_is_dominated():
     assert "| bad4 (k-bad4) |" in text and "Frontier" in text
 
 
+def test_the_section_names_the_cells_it_does_not_draw_and_why():
+    crashed = {**cell("fp16", 0.0), "status": "CRASHED", "error": "killed by signal 9\ntraceback"}
+    other = cell("int4", 40.0, machine=ZEN3)  # no none cell on that machine
+    text = frontier.section(report.rows_for([cell("none", 20.0), cell("int8", 30.0), crashed, other], "none"), "none")
+    assert ("Not on the frontier: quantizer=fp16 (CRASHED: killed by signal 9); quantizer=int4 (no `none` cell "
+            "with its machine, group and settings).") in text
+    # no baseline at all: the section says so instead of vanishing
+    text = frontier.section(report.rows_for([cell("bf16", 20.0), cell("int8", 30.0)], "none"), "none")
+    assert "No frontier: fewer than two formats have a speedup to draw." in text and "quantizer=bf16 (no `none`" in text
+    assert frontier.section(report.rows_for([cell("none", 20.0)], "none"), "none") == ""  # one format: nothing
+
+
 def test_overlapping_intervals_give_cannot_decide_and_separated_ones_a_pick():
     cells = [cell("none", 20.0, kl=0.0005), cell("a", 30.0, spread=0.05, kl=0.004),
              cell("b", 31.0, spread=0.05, kl=0.005)]

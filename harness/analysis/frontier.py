@@ -294,7 +294,11 @@ def section(rows: list[dict], baseline: str, probes: list[dict] | None = None, f
     """The report's frontier section ('' for a sweep of fewer than two formats)."""
     pts = points(rows, baseline, probes)
     if len({p.fmt for p in pts}) < 2:
-        return ""
+        if len({r["quantizer"] for r in rows}) < 2:
+            return ""  # one format: nothing to compare
+        return "\n".join(["", "## Frontier: speed against accuracy loss", "",
+                          f"No frontier: fewer than two formats have a speedup to draw. {_left_out(rows, pts, baseline)}",
+                          ""])
     lines = ["", "## Frontier: speed against accuracy loss", "", _drift_line(drift_pairs(rows, probes or [])), ""]
     if not has_accuracy(pts):
         lines += ["No accuracy axis: these cells scored no accuracy (random-weight shapes have no accuracy to "
@@ -303,7 +307,18 @@ def section(rows: list[dict], baseline: str, probes: list[dict] | None = None, f
     lines += [f"![frontier]({figure})", ""]
     for (machine, grp), members in _panels(pts).items():
         lines += [f"### {machine}: {grp}", "", table(members), "", *[f"- {x}" for x in recommendations(members)], ""]
+    if (left := _left_out(rows, pts, baseline)):
+        lines += [left, ""]
     return "\n".join(lines)
+
+
+def _left_out(rows: list[dict], pts: list[Point], baseline: str) -> str:
+    """The cells the frontier does not draw, and why: a recommendation must not read as complete without them."""
+    drawn = {p.cell for p in pts}
+    why = [f"{r['cell']} ({r['status']}: {(str(r.get('error') or '').splitlines() or ['no reason recorded'])[0][:120]})"
+           if r["status"] != "OK" else f"{r['cell']} (no `{baseline}` cell with its machine, group and settings)"
+           for r in rows if r["cell"] not in drawn and (r["status"] != "OK" or r["quantizer"] != baseline)]
+    return ("Not on the frontier: " + "; ".join(why) + ".") if why else ""
 
 
 def table(pts: list[Point]) -> str:
