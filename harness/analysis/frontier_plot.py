@@ -37,9 +37,13 @@ def plot(pts: list[frontier.Point], path: Path, title: str) -> Path:
                              squeeze=False)
     for col, (machine, members) in enumerate(by_machine.items()):
         big = max((p.weight_bytes or 0) for p in members) or 1.0
+        labels = [p.label for p in members]  # a panel holding several groups (batch sizes, settings) or reruns
+        twice = {x for x in labels if labels.count(x) > 1}  # of one format: the label gets the group, else the cell
+        groups = len({p.group for p in members}) > 1
         for row, kind in enumerate(kinds):
             ax = axes[row][col]
-            for p in [q for q in members if kind == "weight" or q.loss_kind or q.kl is not None]:
+            for i, p in enumerate(q for q in members if kind == "weight" or q.loss_kind or q.kl is not None):
+                nth = [q.label for q in members[:i]].count(p.label)  # stack a repeated format's labels
                 y, yerr, beaten = _y(p, kind)
                 if y is None:
                     continue
@@ -49,8 +53,10 @@ def plot(pts: list[frontier.Point], path: Path, title: str) -> Path:
                 ax.scatter([p.speedup], [y], s=30 + 300 * (p.weight_bytes or 0) / big, zorder=3,
                            facecolors="none" if beaten else color, edgecolors=color or "k")
                 short = p.label.replace("aten::", "").replace("bitsandbytes::", "")
+                if p.label in twice:
+                    short += f" [{p.group}]" if groups else f" [{p.cell}]"
                 ax.annotate(short + (" (dominated)" if beaten else ""), (p.speedup, y), textcoords="offset points",
-                            xytext=(6, 4), fontsize=6.5)
+                            xytext=(6, 4 - 9 * nth), fontsize=6.5)
             if kind == "kl":
                 ax.set_yscale("symlog", linthresh=1e-4)
             ax.set_ylabel(YLABEL[kind])
