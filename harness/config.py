@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,7 @@ from harness.schema import (
     GEMV_KERNELS,
     HUGEPAGES,
     Validated,
+    no_password,
     positive,
 )
 from harness.targets import TARGET_PACKAGES, fields_of, target_problem, target_problems
@@ -216,16 +216,8 @@ class TrackingConfig(Validated):
         positive(p, "tracking.timeout_s", self.timeout_s)
         if not self.experiment:
             p.append("tracking.experiment must not be empty")
-        try:
-            parts = urllib.parse.urlsplit(self.uri)
-        except ValueError as exc:
-            p.append(f"tracking.uri is not a URI ({exc})")
-        else:  # a password there reaches `ps`, the run log, the result JSON and every run's MLflow params
-            if parts.password is not None:
-                where = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
-                p.append(f"tracking.uri ({where}) holds a password, which the command line, logs, results and "
-                         "MLflow params would show; give the URI without it and set MLFLOW_TRACKING_USERNAME and "
-                         "MLFLOW_TRACKING_PASSWORD (an MLflow server), or use ~/.pgpass or PGPASSFILE (a database)")
+        no_password(p, "tracking.uri", self.uri, "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (an "
+                                                 "MLflow server), or use ~/.pgpass or PGPASSFILE (a database)")
         return p
 
     def resolved_uri(self) -> str:

@@ -7,6 +7,8 @@ check their own fields: the arrows point one way, config -> workloads -> models 
 
 from __future__ import annotations
 
+import urllib.parse
+
 from harness.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -17,6 +19,20 @@ COMPILE_BACKENDS = ("inductor", "zentorch")  # torch.compile backend of the deco
 DECODE_PATHS = ("best", "eager", "compiled", "freezing")  # measure.path (harness/measure/paths.py)
 GEMV_KERNELS = ("auto", "onednn", "aten", "rows8")  # measure.gemv: one-row 16-bit matmuls on CPU (harness/measure/paths.py)
 HUGEPAGES = ("auto", "on", "off")  # measure.hugepages: the weights on 2 MiB pages (harness/measure/hugepages.py)
+
+
+def no_password(problems: list[str], name: str, uri: str, fix: str) -> None:
+    """A URI setting must not hold a password: the command line (`ps`), logs, result JSONs and MLflow params would
+    all show it. The problem names the URI with the password masked, and `fix` says where the secret goes."""
+    try:
+        parts = urllib.parse.urlsplit(str(uri))
+    except ValueError as exc:
+        problems.append(f"{name} is not a URI ({exc})")
+        return
+    if parts.password is not None:
+        masked = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
+        problems.append(f"{name} ({masked}) holds a password, which the command line, logs, results and MLflow "
+                        f"params would show; give the URI without it and {fix}")
 
 
 def positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:

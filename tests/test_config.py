@@ -46,6 +46,7 @@ def test_default_config_is_the_embedded_model_bf16_greedy(compose):
     ("accuracy.context_length=100000", "accuracy.context_length=100000 is beyond the model's context of 8192"),
     ("tracking.uri=postgresql://mlflow:hunter2@db:5432/mlflow",  # refused, and the message does not repeat it
      "tracking.uri (postgresql://mlflow:***@db:5432/mlflow) holds a password"),
+    ("load.url=http://bob:hunter2@127.0.0.1:8080", "load.url (http://bob:***@127.0.0.1:8080) holds a password"),
 ])
 def test_invalid_values_name_the_field_and_allowed_values(compose, override, expected):
     with pytest.raises(ConfigError) as info:

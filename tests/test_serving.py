@@ -128,6 +128,25 @@ def test_open_loop_a_slow_target_meets_a_growing_queue_and_arrivals_keep_their_c
     assert m["goodput_share"] < 0.5 and m["open_loop"] == 1.0
 
 
+class RefusingTarget(SlowTarget):
+    """Every request fails at once (a server that is not there)."""
+
+    def submit(self, request, record, done) -> None:
+        record.error = "connection refused"
+        done()
+
+
+def test_a_load_point_whose_every_request_failed_is_a_failed_point_not_a_zero_capacity():
+    from harness.errors import QuantbenchError
+    from harness.load.config import LoadConfig
+
+    run = object.__new__(LoadRun)  # only what point() reads: the config, the target and the points so far
+    run.cfg, run.target, run.kind, run.children = LoadConfig(), RefusingTarget(), "refusing", []
+    with pytest.raises(QuantbenchError, match="load point rate 5: all 3 requests failed .first: connection refused."):
+        run.point("rate 5", [Request(i, [1, 2, 3], 2) for i in range(3)], 5.0)
+    assert run.children[0]["status"] == "FAILED" and run.children[0]["metrics"]["failed_requests"] == 3
+
+
 # ------------------------------------------------------------------------------------------ llama-server
 def test_llama_server_answers_every_request_is_gone_after_the_run_and_each_rate_is_a_nested_mlflow_run(
         compose, results_overrides, monkeypatch):

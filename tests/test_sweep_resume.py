@@ -8,6 +8,7 @@ cell is a real forkserver child, so a reuse or a rerun is what a user's sweep do
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -90,7 +91,8 @@ def _cell(st: SweepState) -> dict:
     return json.loads(path.read_text())
 
 
-def test_a_done_cell_is_reused_only_for_the_same_code_cpu_and_versions(compose, state, tmp_path, capsys):
+def test_a_done_cell_is_reused_only_for_the_same_code_cpu_and_versions(compose, state, tmp_path, capsys,
+                                                                       monkeypatch):
     cfg = compose([*TINY, f"tracking.results_dir={tmp_path}", "tracking.enabled=false"])
     assert run_cell(cfg) == 0
     first = _cell(state)
@@ -122,6 +124,12 @@ def test_a_done_cell_is_reused_only_for_the_same_code_cpu_and_versions(compose, 
     assert "cpu differs (stored Other CPU" in line and f"torch differs (stored 1.0, now {key['torch']})" in line, out
     third = _cell(state)
     assert third["started"] > first["started"] and "torch differs" in third["tags"]["resume.rerun"]
+
+    # the same cell where fewer cores may be used now (taskset; measure.threads=0 takes them all): rerun
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7, 8}, raising=True)
+    assert run_cell(cfg) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[rerun]")]
+    assert f"threads differs (stored {key['threads']}, now 9)" in line
 
     # outside git: `unknown` is never reused, not even against a result recorded as `unknown`
     state.code = "unknown"

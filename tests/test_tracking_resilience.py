@@ -80,7 +80,10 @@ def test_dead_server_costs_seconds_then_upload_sends_once(tmp_path, live_uri, ca
     assert data["mlflow_run_id"] == run.info.run_id and "tracking_error" not in data["tags"]
     assert run.info.status == "FINISHED" and run.data.metrics["ttft_ms"] == 25.0
     assert "tracking_error" not in run.data.tags
-    # a second upload has nothing to send
+    # a second upload has nothing to send, nor does MLflow's own copy of a logged result in results/mlartifacts
+    copy = tmp_path / "mlartifacts" / "1" / run.info.run_id / "artifacts" / "result.json"
+    copy.parent.mkdir(parents=True)
+    copy.write_text(json.dumps({**data, "mlflow_run_id": ""}))  # logged before the run id was known
     assert tracking.upload(tmp_path, TrackingConfig(uri=live_uri, experiment=dead.experiment)) == (0, 0)
     assert len(runs_of(live_uri, dead.experiment)) == 1
 

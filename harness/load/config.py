@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from harness.errors import ConfigError, one_of
 from harness.load.lengths import spec_problem
-from harness.schema import Validated, positive
+from harness.schema import Validated, no_password, positive
 
 PROFILES = ("off", "rates", "sweep")  # off: an ordinary run; rates: load.rates; sweep: guidellm's sweep
 ARRIVALS = ("poisson", "gamma", "constant", "concurrency")
@@ -100,6 +100,8 @@ class LoadConfig(Validated):
             p.append(f"load.goodput_share={self.goodput_share!r} must be in (0, 1]")
         if self.url and not str(self.url).startswith(("http://", "https://")):
             p.append(f"load.url={self.url!r} must be an http:// or https:// base URL, e.g. http://127.0.0.1:8080")
+        no_password(p, "load.url", self.url or "", "point it at an endpoint that needs no login (load runs send no "
+                                                    "credentials; a local proxy can add them)")
         if (err := spec_problem(str(self.lengths))):
             p.append(err)
         return p

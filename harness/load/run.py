@@ -174,6 +174,9 @@ class LoadRun:
         except TargetDied as exc:
             records, end, died = exc.records, exc.end, str(exc)
         metrics, tags = summarize(records, offered, cfg.slo.limits(), cfg.max_send_lag_ms, end)
+        if not died and records and all(r.error for r in records):  # nothing was served: not a measurement
+            died = (f"load point {label}: all {len(records)} requests failed (first: {records[0].error}); is the "
+                    "server at load.url up and serving this model?")
         tags.update({"load.point": label, "load.target": self.kind})
         if concurrency:
             metrics["concurrency"] = float(concurrency)

@@ -111,6 +111,8 @@ def pending(folder: Path) -> list[tuple[Path, Result]]:
     """Result JSONs under `folder` that never reached MLflow (no `mlflow_run_id`)."""
     out = []
     for path in sorted(Path(folder).rglob("*.json")):
+        if "mlartifacts" in path.relative_to(folder).parts:  # MLflow's own copies of logged results: sent already
+            continue
         data = read_json(path)
         if data is not None and "status" in data and "config" in data and not data.get("mlflow_run_id"):
             out.append((path, Result.from_dict(data)))

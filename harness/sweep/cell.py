@@ -92,7 +92,8 @@ def run_cell(cfg: Any) -> int:
         exp = build(config)  # a config error fails the cell here, in a second, with no child at all
         exp.model.preflight()
         exp.quantizer.preflight(resolve_device(exp.measure.device))  # "needs CUDA" here: SKIPPED, no child started
-        key = resume.cell_key(state.code, exp.quantizer, exp.engine.name)  # code, CPU, library versions
+        key = resume.cell_key(state.code, exp.quantizer, exp.engine.name,  # code, CPU, threads, library versions
+                              exp.measure.threads)
         if settings.resume and previous and previous.get("status") == "OK":
             why = resume.differences(previous.get("tags") or {}, key)
             if not why:

@@ -115,9 +115,11 @@ def library_versions(quantizer: Any) -> dict[str, str]:
     return out
 
 
-def cell_key(code: str, quantizer: Any, engine: str = "") -> dict[str, str]:
-    """The resume key of a cell run now, with `code` the sweep's `code_version()` and `engine` its name."""
-    key = {"code": code or UNKNOWN, "cpu": cpu_key(), **library_versions(quantizer)}
+def cell_key(code: str, quantizer: Any, engine: str = "", threads: int = 0) -> dict[str, str]:
+    """The resume key of a cell run now, with `code` the sweep's `code_version()`, `engine` its name and `threads`
+    its measure.threads (0: the cores this process may use now, so `taskset` changes the key too)."""
+    key = {"code": code or UNKNOWN, "cpu": cpu_key(), "threads": str(threads or len(os.sched_getaffinity(0))),
+           **library_versions(quantizer)}
     if engine in ENGINE_LIBRARIES:
         dist = ENGINE_LIBRARIES[engine]
         key.setdefault(dist, _dist_version(dist, dist.replace("_", "-")))
