@@ -116,6 +116,7 @@ def test_a_bug_in_a_cells_preflight_is_a_failed_cell_not_a_lost_one(compose, tmp
     (cell,) = (Path(st.folder) / "cells").glob("*.json")
     data = json.loads(cell.read_text())
     assert data["status"] == "FAILED" and data["error"] == "ModuleNotFoundError: No module named 'optimum'"
+    assert data["tags"]["cpu.family"] and data["tags"]["version.torch"]  # where and with what it was tried
     assert "[FAILED]" in capsys.readouterr().out
 
 

@@ -92,6 +92,7 @@ def test_the_runner_checks_the_corpus_before_the_engine_runs(compose, offline_hu
     res = run(compose(["model=tiny_random", "accuracy.corpus=wikitxt", "accuracy.kl=false",
                        *results_overrides, "tracking.enabled=false"]))
     assert res.status == "FAILED" and "not in the local HF datasets cache" in res.error, res.error
+    assert res.tags["cpu.family"] and res.tags["version.torch"] and res.tags["threads"]  # like an OK run's
 
 
 # --- item 6: `_target_` refused from its dotted path, before any import -----------------------------------

@@ -90,7 +90,7 @@ def run(cfg: Any) -> Result:
         else:
             result = Result(status=status, config=config, error=message,
                             traceback="" if status == "SKIPPED" else traceback.format_exc(),
-                            tags={"git_commit": env.git_commit()})
+                            tags=env.failure_tags(exp))
     result.run_name = run_name(exp, config)
     result.config_hash = config_hash(config)
     result.tags.update({"config_hash": result.config_hash, "status": result.status})

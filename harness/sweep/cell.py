@@ -86,6 +86,7 @@ def run_cell(cfg: Any) -> int:
     previous = read_json(path)
     key: dict[str, str] = {}
     rerun_why = ""
+    exp = None  # the built experiment, once its config has passed
 
     try:
         settings = settings_from(config)
@@ -105,10 +106,11 @@ def run_cell(cfg: Any) -> int:
     except QuantbenchError as exc:
         skipped = isinstance(exc, Unsupported)  # cannot run on this machine: recorded SKIPPED, the sweep goes on
         result = finish(Result(status="SKIPPED" if skipped else "FAILED", config=config, error=str(exc),
-                               traceback="" if skipped else traceback.format_exc()), config, time.time())
+                               traceback="" if skipped else traceback.format_exc(),
+                               tags=env.failure_tags(exp)), config, time.time())
     except Exception as exc:  # noqa: BLE001 - a bug in a preflight must not lose the cell (nor stop the sweep)
         result = finish(Result(status="FAILED", config=config, error=f"{type(exc).__name__}: {exc}",
-                               traceback=traceback.format_exc()), config, time.time())
+                               traceback=traceback.format_exc(), tags=env.failure_tags(exp)), config, time.time())
     except KeyboardInterrupt as exc:
         result = finish(Result(status="KILLED", config=config,
                                error=f"sweep interrupted ({getattr(exc, 'signame', 'SIGINT')}) while this cell ran"),
