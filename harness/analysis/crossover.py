@@ -26,7 +26,7 @@ from typing import Any
 
 from harness.analysis import figures
 from harness.metrics import value
-from harness.records.rows import baseline_key
+from harness.records.rows import baselines, lookup
 
 
 # ------------------------------------------------------------------------------------------ flop model
@@ -97,14 +97,10 @@ def points(rows: list[dict], baseline: str) -> dict[str, list[dict]]:
         f = value(r["metrics"], "prefill_flops_per_s")
         if f:
             ceiling[(*where(r), r["quantizer"])] = max(f, ceiling.get((*where(r), r["quantizer"]), 0.0))
-    base: dict[tuple, dict] = {}  # the baseline row per key (rows.baseline_key), own invocation first
-    for r in ok:
-        if r["quantizer"] == baseline:
-            base.setdefault((*baseline_key(r), r.get("invocation", "")), r)
-            base.setdefault((*baseline_key(r), None), r)
+    base = baselines(ok, baseline, lambda r: r)  # the baseline row per key (harness/records/rows.py)
     out: dict[str, list[dict]] = {}
     for r in ok:
-        b = base.get((*baseline_key(r), r.get("invocation", ""))) or base.get((*baseline_key(r), None))
+        b = lookup(base, r)
         if r["quantizer"] == baseline or b is None:
             continue
         mine = predicted_tokens_per_s(r["metrics"], ceiling.get((*where(r), r["quantizer"])))

@@ -72,10 +72,11 @@ def baseline_key(r: dict) -> tuple[str, str, str]:
     return r["machine"], group(r), r.get("setting", "")
 
 
-def baselines(rows: list[dict], baseline: str, speed: Any = None) -> dict[tuple, float]:
-    """The baseline speed of each key, per invocation and (the first found) for any invocation: `lookup` reads it."""
+def baselines(rows: list[dict], baseline: str, speed: Any = None) -> dict[tuple, Any]:
+    """`speed(row)` of each key's baseline cell (default its headline tok/s; the crossover map keeps the row), per
+    invocation and (the first found) for any invocation: `lookup` reads it."""
     speed = speed or (lambda r: _num(r["metrics"], HEADLINE))
-    out: dict[tuple, float] = {}
+    out: dict[tuple, Any] = {}
     for r in rows:
         if r["status"] == "OK" and r["quantizer"] == baseline and (tps := speed(r)):
             out.setdefault((*baseline_key(r), r.get("invocation", "")), tps)
@@ -83,7 +84,7 @@ def baselines(rows: list[dict], baseline: str, speed: Any = None) -> dict[tuple,
     return out
 
 
-def lookup(speeds: dict[tuple, float], r: dict) -> float | None:
+def lookup(speeds: dict[tuple, Any], r: dict) -> Any:
     """The baseline of row `r`: its own invocation's, else any invocation's with the same key."""
     return speeds.get((*baseline_key(r), r.get("invocation", ""))) or speeds.get((*baseline_key(r), None))
 
