@@ -180,6 +180,9 @@ def test_mlflow_server_dies_mid_sweep_results_stay_and_upload_later(compose, tmp
     assert sorted(kids) == ["bf16", "none"]
     assert kids["bf16"].data.tags["mlflow.parentRunId"] == st.parent_run_id
     assert kids["bf16"].data.metrics["decode_tokens_per_s"] == cells["bf16"]["metrics"]["decode_tokens_per_s"]
+    # the sweep could not close its parent run (the server was dead): upload closed it as the sweep ended
+    parent = c.get_run(st.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["status"] == "OK", parent.data.tags
     assert tracking.upload(Path(st.folder), store) == (0, 0)  # nothing sent twice
 
 

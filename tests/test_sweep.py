@@ -22,7 +22,7 @@ from conftest import ROOT
 from harness.errors import ConfigError
 from harness.records import report
 from harness.records.results import cell_path, invocation_cells
-from harness.sweep.cell import append_manifest, record_cell, run_cell
+from harness.sweep.cell import append_manifest, distinct_label, record_cell, run_cell
 from harness.sweep.isolated import fault_for, run_isolated, warm_up
 from harness.sweep.parent import open_parent_run
 from harness.sweep.settings import (
@@ -296,6 +296,17 @@ def test_cell_names_and_planned_cells(compose):
     assert cell_label(["quantizer=bf16", "+experiment=smoke", "measure.seed=1"], ("quantizer", "measure.seed")) \
         == "quantizer=bf16,measure.seed=1"
     assert cell_label(["+experiment=smoke", "quantizer=bf16"], ()) == "quantizer=bf16"
+
+
+def test_a_cell_name_an_earlier_invocation_gave_another_config_gets_its_hash(tmp_path):
+    """`-m quantizer=none,bf16 strategy=greedy` then `-m quantizer=none,bf16 strategy=static_batch` into one sweep:
+    both name a cell `quantizer=none`, and both hang under the one parent run; the second must be told apart."""
+    state = SweepState(name="s", folder=str(tmp_path), invocation="inv1", commit="c", owner="o", tracking={})
+    assert distinct_label(tmp_path, "quantizer=none", "aaaa1111bbbb") == "quantizer=none"  # no manifest yet
+    append_manifest(state, "aaaa1111bbbb", "quantizer=none")
+    assert distinct_label(tmp_path, "quantizer=none", "aaaa1111bbbb") == "quantizer=none"  # the same config again
+    assert distinct_label(tmp_path, "quantizer=bf16", "cccc2222dddd") == "quantizer=bf16"
+    assert distinct_label(tmp_path, "quantizer=none", "cccc2222dddd") == "quantizer=none #cccc222"
 
 
 def _cell(label, quantizer, tps, kl=None, status="OK", batch=1, **extra):

@@ -253,3 +253,57 @@ def test_a_new_local_store_is_a_copy_of_an_empty_one_and_mlflow_migrates_nothing
     kept = tmp_path / "b" / "other.db"
     kept.write_bytes(b"not touched")
     assert seeded(f"sqlite:///{kept}") and kept.read_bytes() == b"not touched"  # an existing file stays as it is
+
+
+def test_a_sweep_recorded_while_mlflow_was_down_uploads_under_one_parent_run_closed_as_it_ended(
+        tmp_path, live_uri, capsys):
+    """MLflow down for a whole sweep: no parent run, cells unsent. `upload` nests the cells under one parent
+    run, ends it with the status the sweep recorded, and writes its id back so a resume re-opens it."""
+    from mlflow.tracking import MlflowClient
+
+    from harness.records.results import cell_path
+    from harness.sweep import resume
+    from harness.sweep.cell import append_manifest, record_cell
+    from harness.sweep.parent import finish_sweep, open_parent_run
+    from harness.sweep.settings import SweepState, owner_id
+
+    dead = TrackingConfig(uri=f"http://127.0.0.1:{closed_port()}", results_dir=str(tmp_path), retries=1,
+                          timeout_s=2, experiment=f"down-{uuid.uuid4().hex[:8]}")
+    state = SweepState(name="down", folder=str(tmp_path / "down"), invocation="inv1", commit="c", owner=owner_id(),
+                       tracking=dataclasses.asdict(dead), code="c0", planned=2)
+    state.save()
+    for label, value in (("quantizer=none", 10.0), ("quantizer=bf16", 20.0)):
+        result = fake_result(label, value, dead)
+        append_manifest(state, result.config_hash, label)
+        record_cell(result, cell_path(Path(state.folder), result.config_hash), state, label, {}, None, dead)
+    assert finish_sweep(state) == 0
+    ended = json.loads((tmp_path / "down" / "sweep.json").read_text())
+    assert ended["status"] == "OK" and not ended["parent_closed"] and not ended["parent_run_id"]
+
+    held = resume.hold_folder(Path(state.folder), "down")  # a sweep running there: its folder is not touched
+    try:
+        assert tracking.upload(tmp_path, TrackingConfig(uri=live_uri, experiment=dead.experiment)) == (0, 2)
+    finally:
+        held.release()
+    assert runs_of(live_uri, dead.experiment) == []
+
+    assert tracking.main(["upload", str(tmp_path), "--uri", live_uri, "--experiment", dead.experiment]) == 0
+    assert "uploaded 2, failed 0" in capsys.readouterr().out
+    runs = runs_of(live_uri, dead.experiment)
+    parents = [r for r in runs if r.data.tags.get("quantbench.role") == "sweep"]
+    cells = [r for r in runs if r.data.tags.get("quantbench.role") == "cell"]
+    assert len(parents) == 1 and len(cells) == 2 and len(runs) == 3
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["status"] == "OK"
+    assert parent.data.tags["quantbench.invocation"] == "inv1" and parent.data.tags["summary"] == "2 OK"
+    assert {c.data.tags["mlflow.parentRunId"] for c in cells} == {parent.info.run_id}
+    assert "report.md" in {a.path for a in MlflowClient(live_uri).list_artifacts(parent.info.run_id)}
+    settled = json.loads((tmp_path / "down" / "sweep.json").read_text())
+    assert settled["parent_run_id"] == parent.info.run_id and settled["parent_closed"]
+
+    # nothing left to send, and the next invocation of the sweep re-opens the same parent run
+    assert tracking.upload(tmp_path, TrackingConfig(uri=live_uri, experiment=dead.experiment)) == (0, 0)
+    again = SweepState(name="down", folder=state.folder, invocation="inv2", commit="c", owner=owner_id(),
+                       tracking=dataclasses.asdict(dataclasses.replace(dead, uri=live_uri)), code="c0")
+    assert open_parent_run(again, settled["parent_run_id"]) == parent.info.run_id
+    assert len(runs_of(live_uri, dead.experiment)) == 3

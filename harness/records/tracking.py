@@ -19,17 +19,21 @@ import sys
 from pathlib import Path
 
 from harness.config import TrackingConfig
+from harness.errors import QuantbenchError
+from harness.records import sweep_runs
 from harness.records.mlflow_runs import already_sent, log_to_mlflow
 from harness.records.results import (
     PARENT_TAG,
     RESULT_KEY_TAG,
     json_path,
     pending,
+    read_json,
     result_key,
     save_result,
     write_json_atomic,
 )
 from harness.run.result import Result
+from harness.sweep.resume import hold_folder
 
 log = logging.getLogger("quantbench")
 UPLOAD = "python -m harness.records.tracking upload"  # the re-send command, as messages show it
@@ -75,30 +79,74 @@ def upload(folder: Path, tcfg: TrackingConfig, own_experiment: bool = False) -> 
 
     Only ever to the store the caller names: never to the URI written inside a result file, which, for a
     file copied from elsewhere, could point anywhere. `own_experiment`: each result keeps the experiment
-    name its own config gave (else `tcfg.experiment`).
+    name its own config gave (else `tcfg.experiment`). A sweep's cells go under its parent run, adopted or
+    created and then closed as the sweep ended (`settle_sweep`).
     """
     if not tcfg.uri:
         raise ValueError("upload needs an explicit tracking URI (tcfg.uri)")
+    todo = pending(folder)
     done = failed = 0
-    for path, result in pending(folder):
-        target = tcfg
-        if own_experiment:
-            own = (result.config.get("tracking") or {}).get("experiment")
-            target = dataclasses.replace(tcfg, experiment=own if own and isinstance(own, str) else tcfg.experiment)
-        try:
-            result.tags.pop("tracking_error", None)
-            sent = already_sent(result, target)
-            if not sent:
-                sent = log_to_mlflow(result, target, result.tags.get(PARENT_TAG) or None)
-                for child in child_results(result):  # a load run's rates, nested under it as `record` does
-                    log_to_mlflow(child, target, sent)
-            result.mlflow_run_id = sent
-            write_json_atomic(path, result.to_dict())
-            done += 1
-        except Exception as exc:  # noqa: BLE001
-            log.error("upload of %s failed: %s: %s", path, type(exc).__name__, str(exc)[:300])
-            failed += 1
+    for sweep_dir in sweep_runs.unsettled(folder, [p for p, _ in todo]):
+        mine = [(p, r) for p, r in todo if sweep_runs.sweep_of(p) == sweep_dir]
+        todo = [(p, r) for p, r in todo if sweep_runs.sweep_of(p) != sweep_dir]
+        d, f = settle_sweep(sweep_dir, mine, tcfg, own_experiment)
+        done, failed = done + d, failed + f
+    for path, result in todo:
+        ok = _send(path, result, _target(tcfg, result.config.get("tracking"), own_experiment))
+        done, failed = done + ok, failed + (not ok)
     return done, failed
+
+
+def _target(tcfg: TrackingConfig, own: dict | None, own_experiment: bool) -> TrackingConfig:
+    name = (own or {}).get("experiment") if own_experiment else None
+    return dataclasses.replace(tcfg, experiment=name) if name and isinstance(name, str) else tcfg
+
+
+def _send(path: Path, result: Result, target: TrackingConfig) -> bool:
+    """Log one result (once: `already_sent` finds a run whose JSON update was lost) and note its run id."""
+    try:
+        result.tags.pop("tracking_error", None)
+        sent = already_sent(result, target)
+        if not sent:
+            sent = log_to_mlflow(result, target, result.tags.get(PARENT_TAG) or None)
+            for child in child_results(result):  # a load run's rates, nested under it as `record` does
+                log_to_mlflow(child, target, sent)
+        result.mlflow_run_id = sent
+        write_json_atomic(path, result.to_dict())
+        return True
+    except Exception as exc:  # noqa: BLE001
+        log.error("upload of %s failed: %s: %s", path, type(exc).__name__, str(exc)[:300])
+        return False
+
+
+def settle_sweep(sweep_dir: Path, cells: list[tuple[Path, Result]], tcfg: TrackingConfig,
+                 own_experiment: bool) -> tuple[int, int]:
+    """Send a sweep's unsent cells under its parent run and close that run as the sweep ended (sweep.json)."""
+    state = read_json(sweep_dir / sweep_runs.SWEEP_FILE) or {}
+    target = _target(tcfg, state.get("tracking"), own_experiment)
+    try:  # a sweep that is running owns its folder and its parent run: settle it once it has ended
+        lock = hold_folder(sweep_dir, state.get("name", sweep_dir.name))
+    except QuantbenchError as exc:
+        log.error("upload of %s skipped: %s", sweep_dir, exc)
+        return 0, len(cells)
+    try:
+        try:
+            parent = sweep_runs.adopt_parent(target, state)
+        except Exception as exc:  # noqa: BLE001 - the store is down again: nothing of this sweep is sent
+            log.error("upload of %s failed: no parent run (%s: %s)", sweep_dir, type(exc).__name__, str(exc)[:300])
+            return 0, len(cells)
+        state.update(parent_run_id=parent, parent_closed=False)
+        write_json_atomic(sweep_dir / sweep_runs.SWEEP_FILE, state)  # a later resume re-opens this run
+        sent = 0
+        for path, result in cells:
+            result.tags[PARENT_TAG] = result.tags["sweep.parent_run_id"] = parent
+            sent += _send(path, result, target)
+        if sent == len(cells):  # every cell is in: end the run as the sweep ended (KILLED if it never did)
+            state["parent_closed"] = sweep_runs.settle(target, sweep_dir, state, parent)
+            write_json_atomic(sweep_dir / sweep_runs.SWEEP_FILE, state)
+        return sent, len(cells) - sent
+    finally:
+        lock.release()
 
 
 def named_stores(folder: Path, limit: int = 3) -> list[str]:

@@ -57,6 +57,23 @@ def append_manifest(state: SweepState, chash: str, label: str) -> None:
                   exc.strerror or exc)
 
 
+def distinct_label(folder: Path, label: str, chash: str) -> str:
+    """`label`, or `label #<hash>` when the sweep's manifest already gives that name to another config (two
+    invocations that vary different keys both name a cell `quantizer=none`): names under one parent stay apart."""
+    try:
+        lines = (Path(folder) / "manifest.jsonl").read_text().splitlines()
+    except OSError:
+        return label
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("label") == label and entry.get("hash") != chash:
+            return f"{label} #{chash[:7]}"
+    return label
+
+
 def _hydra_job() -> tuple[list[str], dict]:
     try:
         hc = HydraConfig.get()
@@ -78,8 +95,8 @@ def run_cell(cfg: Any) -> int:
                            code=resume.code_version())
         log.warning("no sweep state found (is harness.sweep.callback.SweepCallback in hydra.callbacks?); cells "
                     "are recorded without an MLflow parent run")
-    label = cell_label(overrides, state.varying)
     chash = config_hash(config)
+    label = distinct_label(Path(state.folder), cell_label(overrides, state.varying), chash)
     path = cell_path(Path(state.folder), chash)
     append_manifest(state, chash, label)
     tcfg = state.tcfg

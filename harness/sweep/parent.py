@@ -18,7 +18,7 @@ from typing import Any
 from harness import env
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
-from harness.records import report, sweeps
+from harness.records import report, sweep_runs
 from harness.records.mlflow_runs import client, experiment_id, retry
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.tracking import UPLOAD
@@ -69,48 +69,19 @@ def mark_stale(tcfg: TrackingConfig) -> list[str]:
 
 def open_parent_run(state: SweepState, previous: str) -> str:
     """Re-open the sweep's previous parent run (resume keeps one run per sweep) or create one."""
-    tcfg = state.tcfg
-    c = client(tcfg)
-    exp_id = retry(lambda: experiment_id(c, tcfg), tcfg, "mlflow experiment")
-    tags = {"quantbench.role": "sweep", "quantbench.sweep": state.name, "quantbench.owner": state.owner,
-            "quantbench.invocation": state.invocation, "git_commit": state.commit, "status": "RUNNING",
-            **({"quantbench.label": state.sweep["label"]} if state.sweep.get("label") else {})}
-    if previous:
-        try:
-            run = c.get_run(previous)
-            if run.info.experiment_id == exp_id and run.info.lifecycle_stage == "active":
-                for k, v in tags.items():
-                    c.set_tag(previous, k, v)
-                c.update_run(previous, status="RUNNING")
-                return previous
-        except Exception:  # noqa: BLE001 - gone, other store: start a new parent run
-            pass
-    run = retry(lambda: c.create_run(exp_id, run_name=f"sweep:{state.name}", tags=tags), tcfg, "mlflow create_run")
-    return run.info.run_id
+    tags = sweep_runs.parent_tags(state.name, state.invocation, state.commit, state.owner,
+                                  state.sweep.get("label", ""))
+    return sweep_runs.open_parent(state.tcfg, tags, [previous])
 
 
 def close_parent_run(state: SweepState, status: str, summary: str, artifacts: list[Path],
-                     probes: list[dict] | None = None) -> None:
+                     probes: list[dict] | None = None) -> bool:
     """Log the report files (and the drift probe) to the parent run and end it with the sweep's status (best
-    effort)."""
+    effort: False when MLflow refused; `upload` closes it later from sweep.json)."""
     if not state.parent_run_id or not state.tcfg.enabled:
-        return
-    tcfg, rid = state.tcfg, state.parent_run_id
-    c = client(tcfg)
-    try:
-        for key, val in sweeps.probe_parent_metrics(probes or []).items():
-            retry(lambda k=key, v=val: c.log_metric(rid, k, v), tcfg, "mlflow log_metric")
-        if probes:
-            retry(lambda: c.set_tag(rid, sweeps.PROBED_TAG, state.invocation), tcfg, "mlflow set_tag")
-        for path in artifacts:
-            if path.exists():
-                retry(lambda p=path: c.log_artifact(rid, str(p)), tcfg, "mlflow log_artifact")
-        retry(lambda: c.set_tag(rid, "status", status), tcfg, "mlflow set_tag")
-        retry(lambda: c.set_tag(rid, "summary", summary[:5000]), tcfg, "mlflow set_tag")
-        mlflow_status = {"OK": "FINISHED", "KILLED": "KILLED"}.get(status, "FAILED")
-        retry(lambda: c.set_terminated(rid, status=mlflow_status), tcfg, "mlflow set_terminated")
-    except Exception as exc:  # noqa: BLE001 - the report files are on disk whatever MLflow does
-        log.error("could not close the sweep's MLflow run %s: %s", rid, exc)
+        return False
+    return sweep_runs.close_parent(state.tcfg, state.parent_run_id, status, summary, artifacts, probes,
+                                   state.invocation)
 
 
 # ----------------------------------------------------------------------------------------------- sweep
@@ -150,6 +121,7 @@ def start_sweep(config_with_hydra: Any) -> SweepState:
                             ", ".join(stale))
             state.parent_run_id = open_parent_run(state, old.get("parent_run_id", ""))
         except Exception as exc:  # noqa: BLE001 - cells still write their JSON; upload later
+            state.earlier_parent_run_id = old.get("parent_run_id") or old.get("earlier_parent_run_id", "")
             log.error("MLflow unavailable for the sweep's parent run (%s: %s); cells keep their JSON",
                       type(exc).__name__, str(exc)[:300])
     try:
@@ -192,7 +164,12 @@ def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no cells"
     if missing:
         summary += f", {missing} never reported (the job died, or could not write its result)"
-    close_parent_run(state, status, summary, paths, probes)
+    state.parent_closed = close_parent_run(state, status, summary, paths, probes)
+    state.status, state.summary, state.reports = status, summary, [str(p) for p in paths]
+    try:  # how it ended, for `upload` when MLflow missed the end (harness/records/sweep_runs.py)
+        state.save()
+    except OSError as exc:
+        log.error("could not record the sweep's end in %s/sweep.json: %s", folder, exc.strerror or exc)
     _EXIT["code"] = 1 if bad or interrupted or nothing else 0
     lock = _HELD.pop("lock", None)
     if lock is not None:

@@ -82,6 +82,12 @@ class SweepState:
     started: float = 0.0
     code: str = ""  # resume.code_version() at the sweep's start: part of every cell's resume key
     sweep: dict = field(default_factory=dict)  # the `sweep:` settings (SweepSettings as a dict)
+    earlier_parent_run_id: str = ""  # the previous invocation's parent run, kept when MLflow was down at start
+    # how the invocation ended (finish_sweep), so `upload` can settle a parent run MLflow missed
+    status: str = ""
+    summary: str = ""
+    reports: list = field(default_factory=list)
+    parent_closed: bool = False
 
     @property
     def tcfg(self) -> TrackingConfig:
