@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from harness.measure.hugepages import trim_heap as trim
+from harness.measure import trim_heap as trim
 from quantizers.common import release
 from quantizers.int8pack import Int8PackLinear
 

@@ -55,7 +55,7 @@ def test_summarize_hand_computed():
     # ITL pooled over every step of every call: 10, 20, 30, 40 ms -> ranks 1.5, 2.7, 2.97
     assert m["itl_ms_p50"] == pytest.approx(25.0)
     assert m["itl_ms_p90"] == pytest.approx(37.0)
-    assert m["itl_ms_p99"] == pytest.approx(39.7)
+    assert m["itl_ms_p99"] == pytest.approx(39.7) and m["itl_samples"] == 4.0
     # e2e = TTFT + decode wall clock: 180, 240, 300 ms
     assert m["e2e_ms"] == pytest.approx(240.0)
     # prompt tokens over prefill time: 100, 160 (8 / 50 ms, not 8 / 200 ms TTFT = 40), 20 -> median 100
@@ -73,6 +73,23 @@ def test_wall_clock_lowers_tokens_per_s_when_host_work_sits_between_steps():
     assert t["decode_tokens_per_s"] == pytest.approx(100.0) and b["decode_tokens_per_s"] == pytest.approx(80.0)
     assert t["decode_step_tokens_per_s"] == b["decode_step_tokens_per_s"] == pytest.approx(100.0)
     assert t["itl_ms_p50"] == b["itl_ms_p50"] == pytest.approx(10.0)  # ITL stays per step
+
+
+def test_cv_is_the_noise_between_repetitions_not_the_spread_between_prompts():
+    """A 3-token and a 923-token prompt decode at 800 and 100 tok/s on a quiet machine: the calls differ by
+    8x, the repetitions not at all. The CV (and so the noisy-machine warning) must read 0, not 82%."""
+    def call(rate: float) -> Generation:
+        return Generation(sequences=[[0] * 9], prompt_tokens=3, ttft_s=0.01, step_s=[1 / rate] * 8,
+                          decode_tokens=8, decode_wall_s=8 / rate)
+
+    quiet = [call(r) for _ in range(5) for r in (800.0, 100.0)]  # repetition by repetition, batch by batch
+    m = summarize(quiet, batches=2)
+    assert m["decode_tokens_per_s_cv"] == pytest.approx(0.0, abs=1e-12)
+    assert m["decode_tokens_per_s_p10"] == pytest.approx(100.0) and m["decode_tokens_per_s_p90"] == pytest.approx(800.0)
+    # noise on the long prompt only: its CV (ddof 1) over 4 repetitions, RMS with the quiet short prompt's 0
+    noisy = [call(r) for r in (800.0, 90.0, 800.0, 110.0, 800.0, 90.0, 800.0, 110.0)]
+    sd = math.sqrt(4 * 10.0**2 / 3)
+    assert summarize(noisy, batches=2)["decode_tokens_per_s_cv"] == pytest.approx(math.sqrt((sd / 100) ** 2 / 2))
 
 
 def test_percentile_and_cv_edges():
@@ -111,3 +128,23 @@ def test_decode_loop_clock_readings(monkeypatch):
     assert gen.decode_wall_s == 2 * n + 1
     assert gen.decode_tokens_per_s == pytest.approx(n / (2 * n + 1))
     assert gen.decode_step_tokens_per_s == pytest.approx(1.0)
+
+
+def test_peak_reset_first_hands_freed_heap_back(monkeypatch):
+    """The reset sets the high-water mark to the current RSS. What a cold cache freed just before (the GGUF
+    conversion: SmolLM2 measured 1779 MB peak cold against 1355 MB warm) must leave the heap first."""
+    import harness.measure as measure
+
+    calls: list[str] = []
+    monkeypatch.setattr(measure.gc, "collect", lambda: calls.append("collect") or 0)
+    monkeypatch.setattr(measure, "trim_heap", lambda: calls.append("trim"))
+    real_open = open
+
+    def spy_open(path, *args, **kwargs):
+        if str(path) == "/proc/self/clear_refs":
+            calls.append("reset")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", spy_open)
+    measure.reset_peak_memory("cpu")
+    assert calls == ["collect", "trim", "reset"]

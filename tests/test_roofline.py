@@ -119,11 +119,14 @@ def test_slow_kernel_flags_lighter_format_not_faster():
 def test_check_slow_kernel_compares_with_runs_recorded_on_this_host(monkeypatch, tmp_path):
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
     group = {"model": "m", "engine": "e"}
-    heavy = {"bytes_per_step": 270e6, "decode_tokens_per_s": 40.0, "roofline_fraction": 0.3}
+    heavy = {"bytes_per_step": 270e6, "decode_tokens_per_s": 40.0, "roofline_fraction": 0.6}
     light = {"bytes_per_step": 100e6, "decode_tokens_per_s": 17.0, "roofline_fraction": 0.04}
     assert roofline.check_slow_kernel(group, "bf16", heavy, "cpu", 2) is None
     assert "slow kernel path?" in roofline.check_slow_kernel(group, "int4", light, "cpu", 2)
     assert roofline.check_slow_kernel({**group, "model": "other"}, "int4", light, "cpu", 2) is None
+    # a third, heavier run that outpaces the slow light one: the warning names this run, not the first heavy one
+    third = roofline.check_slow_kernel(group, "fp32", {**heavy, "bytes_per_step": 540e6}, "cpu", 2)
+    assert "int4 reads 100 MB/step" in third and "not faster than fp32 (540 MB/step" in third, third
 
 
 def test_roofline_plot_writes_png(tmp_path):
@@ -183,3 +186,26 @@ def test_sweep_report_gains_roofline_column_and_plot(tmp_path):
     text = paths[0].read_text()
     assert "bound tok/s" in text and "| 0.057 |" in text and "| 300 |" in text
     assert (tmp_path / "roofline.png") in paths and (tmp_path / "roofline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_static_cache_is_read_whole_every_step(compose, results_overrides, monkeypatch, tmp_path):
+    """transformers' StaticLayer.update hands attention the whole buffer, so with measure.cache=static each step
+    reads width + max_new_tokens positions, not width + i + 1: 8 new tokens = 7 steps reading width + 1..7 on
+    a dynamic cache (mean width + 4) against width + 8 on a static one, on every call of the same prompts."""
+    from harness.run.runner import run
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "cache" / "roofline" / f"bandwidth-{bandwidth.host_key('cpu', 1)}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"bytes_per_s": 10e9, "method": "seeded by the test"}))
+    base = FAST + results_overrides + ["measure.device=cpu", "measure.threads=1", "accuracy.enabled=false",
+                                       "tracking.enabled=false", "measure.stop_at_eos=false"]
+    dynamic, static = (run(compose([*base, f"measure.cache={c}"])) for c in ("dynamic", "static"))
+    assert dynamic.status == static.status == "OK", (dynamic.error, static.error)
+    assert static.metrics["kv_context_mean"] == pytest.approx(dynamic.metrics["kv_context_mean"] + 4)
+    assert static.metrics["bytes_per_step"] > dynamic.metrics["bytes_per_step"]
+
+
+def test_fixed_context_weights_each_length_by_its_steps():
+    assert roofline.fixed_context([(20, 3), (40, 1)]) == pytest.approx((60 + 40) / 4)
+    assert roofline.fixed_context([]) == 0.0

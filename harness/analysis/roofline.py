@@ -135,6 +135,15 @@ def mean_context(batch_widths: list[tuple[int, int]]) -> float:
     return total / steps if steps else 0.0
 
 
+def fixed_context(lengths_steps: list[tuple[int, int]]) -> float:
+    """Mean KV length read per decode step with a static cache: (cache length, steps) per generation.
+
+    transformers' StaticLayer.update hands attention the whole `max_cache_len` buffer (unwritten positions
+    masked), so every step reads the full length, not the `width + i + 1` positions of `mean_context`."""
+    steps = sum(n for _, n in lengths_steps)
+    return sum(length * n for length, n in lengths_steps) / steps if steps else 0.0
+
+
 def bytes_per_step(shape: ModelShape, batch: int, context: float) -> float:
     return shape.weights_read(batch) + batch * shape.kv_bytes_per_token * context
 
@@ -163,20 +172,16 @@ def slow_kernel_flags(rows: list[dict]) -> dict[int, str]:
     `roofline_fraction`. "Lighter" means at least 5% fewer bytes per step (same-size formats are not
     compared: their speed difference is not about bytes).
     """
-    return {i: msg for i, (_, msg) in _slow_pairs(rows).items()}
+    return {i: _slow_message(rows[i], rows[partners[0]]) for i, partners in _slow_pairs(rows).items()}
 
 
 def _kernel_note(r: dict) -> str:
     return f" [kernel {r['kernel']}]" if r.get("kernel") else ""
 
 
-def _slow_pairs(rows: list[dict]) -> dict[int, tuple[list[int], str]]:
-    """Flagged row index -> (indices of the heavier rows not slower than it, warning naming the first).
-
-    A row may carry `kernel` (tag kernel.linear of the run, harness/measure/kernels.py): the warning names the
-    matmul kernel of both sides, e.g. int8's `aten::mm` (a dequantize per call) against bf16's.
-    """
-    out: dict[int, tuple[list[int], str]] = {}
+def _slow_pairs(rows: list[dict]) -> dict[int, list[int]]:
+    """Flagged row index -> indices of the heavier rows (same group) not slower than it."""
+    out: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
         if not r.get("roofline_fraction", 1.0) < SLOW_FRACTION:
             continue
@@ -185,13 +190,21 @@ def _slow_pairs(rows: list[dict]) -> dict[int, tuple[list[int], str]]:
                     and other["bytes_per_step"] > 1.05 * r["bytes_per_step"]
                     and other["decode_tokens_per_s"] >= r["decode_tokens_per_s"]]
         if partners:
-            other = rows[partners[0]]
-            out[i] = (partners, f"{SLOW_TAG} {r['label']}{_kernel_note(r)} reads {r['bytes_per_step'] / 1e6:.0f} "
-                                f"MB/step but decodes {r['decode_tokens_per_s']:.1f} tok/s, not faster than "
-                                f"{other['label']}{_kernel_note(other)} ({other['bytes_per_step'] / 1e6:.0f} MB/step, "
-                                f"{other['decode_tokens_per_s']:.1f} tok/s); it reaches {r['roofline_fraction']:.0%} "
-                                f"of its bound (< {SLOW_FRACTION:.0%})")
+            out[i] = partners
     return out
+
+
+def _slow_message(r: dict, other: dict) -> str:
+    """The warning for lighter row `r`, not faster than heavier row `other`.
+
+    A row may carry `kernel` (tag kernel.linear of the run, harness/measure/kernels.py): the warning names the
+    matmul kernel of both sides, e.g. int8's `aten::mm` (a dequantize per call) against bf16's.
+    """
+    return (f"{SLOW_TAG} {r['label']}{_kernel_note(r)} reads {r['bytes_per_step'] / 1e6:.0f} "
+            f"MB/step but decodes {r['decode_tokens_per_s']:.1f} tok/s, not faster than "
+            f"{other['label']}{_kernel_note(other)} ({other['bytes_per_step'] / 1e6:.0f} MB/step, "
+            f"{other['decode_tokens_per_s']:.1f} tok/s); it reaches {r['roofline_fraction']:.0%} "
+            f"of its bound (< {SLOW_FRACTION:.0%})")
 
 
 def check_slow_kernel(group: dict, label: str, metrics: dict, device: str, threads: int,
@@ -222,9 +235,10 @@ def check_slow_kernel(group: dict, label: str, metrics: dict, device: str, threa
     pairs = _slow_pairs(rows)
     mine = next(i for i, r in enumerate(rows) if r["label"] == label)
     if mine in pairs:
-        return pairs[mine][1]
-    slower = [msg for partners, msg in pairs.values() if mine in partners]  # an earlier lighter run, outpaced now
-    return slower[0] if slower else None
+        return _slow_message(rows[mine], rows[pairs[mine][0]])
+    # an earlier lighter run that this run outpaces now: the warning names this run as the heavier side
+    slower = [i for i, partners in pairs.items() if mine in partners]
+    return _slow_message(rows[slower[0]], rows[mine]) if slower else None
 
 
 def annotate(metrics: dict, tags: dict, shape: ModelShape, device: str, threads: int, context: float,

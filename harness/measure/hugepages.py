@@ -22,8 +22,6 @@ each huge page), for a ~1% decode gain; the scaling experiments, which measure d
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import mmap
 import re
 import sys
@@ -34,6 +32,7 @@ from typing import Any
 import torch
 
 from harness.errors import QuantbenchError
+from harness.measure import trim_heap
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE = 2 << 20
@@ -97,15 +96,6 @@ def tensors(model: Any) -> list[torch.Tensor]:
     for t in [*model.parameters(), *model.buffers()]:
         visit(t)
     return [t for t in out if t.device.type == "cpu" and t.numel() > 0]
-
-
-def trim_heap() -> None:
-    """Hand freed heap memory back to the system (glibc's malloc_trim). After a large free, glibc raises its mmap
-    threshold and keeps later freed blocks in its heap, so replacing a model's weights piece by piece (here, and
-    quantizers/rows8.py's re-laid layers) left the old copies counted in the process's memory: an 8B int4 run
-    peaked at 15.0 GB against 7.4 GB estimated, a Llama-3.2-1B int4 model held 0.5-0.9 GB more after the swap."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def move(model: Any, setting: str, device: str) -> Moved:

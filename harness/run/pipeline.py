@@ -165,7 +165,7 @@ class Pipeline:
                     for _ in range(self.exp.measure.repetitions) for batch in self.batches]
         joules = meter.stop()
         self._add(self.session.after_timing(self.batches, self.opts, gens))
-        self.metrics.update(measure.summarize(gens))
+        self.metrics.update(measure.summarize(gens, batches=len(self.batches)))
         if problem := headline_problem(headline(self.workload), self.metrics, gens, self.exp.measure):
             raise QuantbenchError(problem)  # the run ends FAILED with this line, before the scoring
         meter.record(joules, self.metrics["generated_tokens"], self.metrics, self.tags)
@@ -204,9 +204,17 @@ class Pipeline:
                       for p, s in zip(b, g.sequences, strict=True)]
         else:  # a step loop: the batch's widest prompt (left padding) and its steps
             widths = [(depth + max(len(p) for p in b), len(g.step_s)) for b, g in zip(flat, gens, strict=True)]
-        roofline.annotate(self.metrics, self.tags, self.session.shape(), self.device, self.threads,
-                          roofline.mean_context(widths), roofline.run_group(self.exp, self.exp.engine.name),
-                          self.session.label)
+        fast = getattr(self.session, "fast", None)  # the compiled path: one static cache length for the run
+        if not self.exp.strategy.schedules_rows and (fast is not None or self.opts.cache == "static"):
+            # a static cache is read whole every step (roofline.fixed_context): the compiled path's length (its
+            # caches span the widest prompt of the run), else this call's depth + width + max_new_tokens
+            lengths = [(fast.max_cache_len if fast is not None and not depth else
+                        w + self.opts_for(b).max_new_tokens, n) for b, (w, n) in zip(flat, widths, strict=True)]
+            context = roofline.fixed_context(lengths)
+        else:
+            context = roofline.mean_context(widths)
+        roofline.annotate(self.metrics, self.tags, self.session.shape(), self.device, self.threads, context,
+                          roofline.run_group(self.exp, self.exp.engine.name), self.session.label)
 
     def samples(self, gens: list[Generation]) -> list[dict]:
         """The first repetition's generations, decoded (cut at EOS)."""
