@@ -6,6 +6,7 @@ runs in tests/test_docs.py (docs/serving.md).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -16,17 +17,20 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT
 
 from harness.cli import precheck
 from harness.config import build, to_plain
-from harness.load import lengths
+from harness.load import lengths, report
+from harness.load import run as run_module
+from harness.load.config import LoadConfig
 from harness.load.driver import Request, drive, schedule
 from harness.load.run import LoadRun
 from harness.load.server import LlamaServer
-from harness.load.stats import RequestRecord, capacity, meets, summarize, sweep_rates
+from harness.load.stats import RequestRecord, above_knee, capacity, meets, summarize, sweep_rates
 from harness.records import tracking
 from harness.run import runner
 from harness.sweep.isolated import run_isolated
@@ -51,7 +55,8 @@ def test_arrivals_are_seeded_and_keep_the_asked_mean_rate_and_burstiness():
 
 
 def _rec(ttft: float, tpot: float, tokens: int = 5, **kw) -> RequestRecord:
-    r = RequestRecord(index=0, prompt_tokens=8, max_tokens=tokens, scheduled=0.0, sent=0.0, finished=True, **kw)
+    kw = {"scheduled": 0.0, "sent": 0.0, **kw}
+    r = RequestRecord(index=0, prompt_tokens=8, max_tokens=tokens, finished=True, **kw)
     r.chunks = [ttft + i * tpot for i in range(tokens)]
     r.output_tokens = tokens
     return r
@@ -70,14 +75,92 @@ def test_a_request_meets_the_slo_only_within_every_limit_and_goodput_counts_the_
     late.sent = 0.2  # 200 ms after its scheduled time: the client fell behind
     m, tags = summarize([late], offered=1.0, slo={}, lag_limit_ms=50, end=1.0)
     assert m["open_loop"] == 0.0 and "not open-loop" in tags["warning.open_loop"]
+    empty = _rec(0.05, 0.005)
+    empty.chunks, empty.output_tokens = [], 0  # finished with no text (the in-process batcher's EOS at once)
+    m, _ = summarize([empty, _rec(0.05, 0.005)], offered=1.0, slo={}, lag_limit_ms=50, end=1.0)
+    assert (m["requests_ok"], m["failed_requests"], m["unfinished_requests"]) == (1, 1, 0)
 
 
-def test_capacity_is_the_highest_offered_rate_whose_goodput_keeps_its_share():
-    points = [(1.0, 1.0), (2.0, 1.95), (3.0, 2.5), (4.0, 3.7)]  # 4.0 passes again: the highest that meets it counts
-    assert capacity(points, 0.9) == 4.0
-    assert capacity([(1.0, 0.5)], 0.9) == 0.0
-    assert capacity([(math.nan, 5.0), (2.0, 2.0)], 0.9) == 2.0  # a synchronous run offers no rate
+def test_capacity_is_the_knee_the_highest_passing_rate_below_the_first_that_fails():
+    """The rule used to be "the highest passing rate", so 4.0 below counted although 3.0 failed. A target that
+    cannot hold 3 req/s cannot hold 4: 4.0 passing is the noise of a 32-request window (kinder arrivals), and
+    the report's `≥` then claimed the SLO did not bind where it did. So the knee counts: the highest rate below
+    the first failing one; the passes above it are named (above_knee) and tagged, not counted."""
+    points = [(1.0, 1.0), (2.0, 1.95), (3.0, 2.5), (4.0, 3.7)]  # 4.0 passes again above a failing 3.0
+    assert capacity(points, 0.9) == 2.0 and above_knee(points, 0.9) == [4.0]
+    assert capacity(list(reversed(points)), 0.9) == 2.0  # the order offered does not matter
+    assert capacity([(1.0, 0.5), (2.0, 2.0)], 0.9) == 0.0  # the lowest rate failed
+    assert capacity([(math.nan, 5.0), (2.0, 2.0)], 0.9) == 2.0 and above_knee([(2.0, 2.0)], 0.9) == []
     assert sweep_rates(1.0, 4.0, 3) == [2.0, 3.0, 4.0]  # the maximum is offered too: it brackets the capacity
+
+
+def _child(rate: float, share: float) -> dict:
+    m = {"offered_rps": rate, "goodput_rps": rate * share, "goodput_share": share, "request_throughput_rps": rate,
+         "send_lag_ms_p99": 1.0, "open_loop": 1.0,
+         **{f"serve_{n}_ms_p{q}": float(q) for n in ("ttft", "tpot") for q in (50, 90, 99)}}
+    return {"label": f"{rate}/s", "status": "OK", "error": "", "metrics": m, "tags": {"load.point": f"{rate}/s"}}
+
+
+def _bare_run(children: list[dict], **cfg) -> LoadRun:
+    run = object.__new__(LoadRun)  # only what conclude() and point() read
+    run.cfg, run.metrics, run.tags, run.children = LoadConfig(**cfg), {}, {}, children
+    return run
+
+
+def test_a_pass_above_a_failing_rate_is_not_the_capacity_and_is_tagged_non_monotone():
+    run = _bare_run([_child(1, 1.0), _child(2, 0.97), _child(3, 0.5), _child(4, 0.91)], profile="rates",
+                    rates=[1, 2, 3, 4])
+    run.conclude()
+    assert run.metrics["capacity_rps"] == 2 and run.tags["load.capacity_bound"] == "bracketed"
+    assert run.tags["load.capacity_pattern"].startswith("non-monotone: 4/s passed above a failing rate")
+    assert report.capacity_cell({"metrics": run.metrics, "tags": run.tags, "children": run.children}) == "2.00"
+    run = _bare_run([_child(1, 1.0), _child(2, 0.95)], profile="rates", rates=[1, 2])
+    run.conclude()
+    assert run.metrics["capacity_rps"] == 2 and run.tags["load.capacity_bound"].startswith("at least")
+    assert run.tags["load.capacity_pattern"] == "monotone"
+
+
+def test_every_rate_offers_the_same_arrivals_scaled_to_its_rate_and_records_the_rate_they_offer(monkeypatch):
+    """Gaps drawn with one seed and scaled by 1/rate: expovariate and gammavariate draw the same uniforms whatever
+    the rate and multiply by the scale, so rate 2's schedule is rate 4's stretched twofold."""
+    for arrival in ("poisson", "gamma"):
+        fast, slow = schedule(arrival, 4.0, 32, 7, 0.5), schedule(arrival, 2.0, 32, 7, 0.5)
+        assert slow == pytest.approx([2 * t for t in fast])
+    seen: list[list[float]] = []
+    monkeypatch.setattr(run_module, "drive", lambda target, reqs, times, *a, **k: (seen.append(times) or (
+        [_rec(0.01, 0.01, scheduled=t, sent=t) for t in times], times[-1] + 0.1)))
+    run = _bare_run([], profile="rates", rates=[2, 4], requests=8)
+    run.target, run.kind = SlowTarget(), "fake"
+    a = run.point("2/s", [Request(i, [1], 5) for i in range(8)], 2.0)
+    b = run.point("4/s", [Request(i, [1], 5) for i in range(8)], 4.0)
+    assert seen[0] == pytest.approx([2 * t for t in seen[1]])
+    assert a["offered_actual_rps"] == pytest.approx(7 / seen[0][-1]) and a["offered_actual_rps"] != 2.0
+    assert b["offered_actual_rps"] == pytest.approx(2 * a["offered_actual_rps"])
+
+
+def test_a_closed_loop_is_tagged_closed_not_open_loop():
+    run = _bare_run([], profile="rates", arrival="concurrency", concurrency=2, warmup_requests=0, requests=4)
+    run.target, run.kind = SlowTarget(), "fake"
+    run.prompts_for = lambda k, count=None: [Request(i, [1, 2, 3], 2, tag=f"r{k}") for i in range(4)]
+    run.rates()
+    run.conclude()
+    child = run.children[0]
+    assert child["tags"]["load.open_loop"] == "n/a (closed loop)" and child["tags"]["load.loop"] == "closed"
+    assert math.isnan(child["metrics"]["open_loop"]) and math.isnan(child["metrics"]["send_lag_ms_p99"])
+    assert run.tags["load.open_loop"] == "n/a (closed loop)" and "capacity_rps" not in run.metrics
+
+
+def test_workload_lengths_resend_the_same_prompts_so_the_run_says_so(monkeypatch, caplog):
+    wl = type("Workload", (), {"prompts": [[5, 6, 7], [8, 9]], "limits": [4, 4]})()
+    monkeypatch.setattr(run_module.workloads, "resolve", lambda measure, tokenizer: wl)
+    run = _bare_run([], profile="rates", rates=[1], lengths="workload", requests=4)
+    run.exp, run.kind, run.tokenizer, run.fixed = SimpleNamespace(measure=None), "llama-server", None, None
+    with caplog.at_level(logging.WARNING, logger="quantbench"):
+        run.requests()
+    assert run.prompts_for(0)[0].prompt == run.prompts_for(1)[0].prompt  # the same at every rate
+    assert run.tags["load.prefix_reuse"] == "true"
+    assert [r.message.count("\n") for r in caplog.records if "workload" in r.message] == [0]
+    assert "cache_prompt=false" in caplog.text
 
 
 def test_chat_lengths_are_long_tailed_prompts_with_shorter_outputs():
@@ -97,6 +180,9 @@ class SlowTarget:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+
+    def cancel(self, request) -> None:
+        pass
 
     def submit(self, request, record, done) -> None:
         def serve() -> None:
@@ -138,7 +224,6 @@ class RefusingTarget(SlowTarget):
 
 def test_a_load_point_whose_every_request_failed_is_a_failed_point_not_a_zero_capacity():
     from harness.errors import QuantbenchError
-    from harness.load.config import LoadConfig
 
     run = object.__new__(LoadRun)  # only what point() reads: the config, the target and the points so far
     run.cfg, run.target, run.kind, run.children = LoadConfig(), RefusingTarget(), "refusing", []
@@ -174,6 +259,23 @@ def test_llama_server_answers_every_request_is_gone_after_the_run_and_each_rate_
                                 f"tags.mlflow.parentRunId = '{result.mlflow_run_id}'")
     assert sorted(r.data.tags["load.point"] for r in nested) == ["40/s", "80/s"]
     assert all(r.data.metrics["requests_ok"] == 4 and "serve_ttft_ms_p90" in r.data.metrics for r in nested)
+
+
+def test_workload_prompts_reach_llama_server_with_cache_prompt_off(compose, tmp_path, monkeypatch):
+    """load.lengths=workload repeats the run's prompts at every rate: llama-server is asked to prefill them again."""
+    bodies: list[dict] = []
+    original = run_module.HttpTarget.__init__
+
+    def init(self, *a, **k):
+        original(self, *a, **k)
+        bodies.append(self.body)
+
+    monkeypatch.setattr(run_module.HttpTarget, "__init__", init)
+    result = runner.run(compose([*TINY_SERVER, "load.lengths=workload", "load.rates=[40,40]", "load.requests=2",
+                                 f"tracking.results_dir={tmp_path}"]))
+    assert result.status == "OK", result.error
+    assert bodies == [{"cache_prompt": False}] and result.tags["load.prefix_reuse"] == "true"
+    assert [c["metrics"]["requests_ok"] for c in result.children] == [2, 2]
 
 
 def test_a_server_that_dies_mid_run_fails_the_run_in_one_line_and_keeps_what_was_answered(compose, tmp_path,
@@ -277,10 +379,15 @@ def test_no_server_outlives_a_sweep_cell_killed_by_its_timeout(compose, tmp_path
     ("load.slo.ttft_ms=0", "load.slo.ttft_ms=0.0 must be > 0"),
     ("load.lengths=fixed:0/4", "load.lengths='fixed:0/4': lengths must be >= 1"),
     ("load.arrival=weibull", "load.arrival='weibull' is not allowed"),
+    ("load.arrival=concurrency load.profile=sweep", "load.profile=sweep offers rates, and load.arrival=concurrency"),
 ])
 def test_a_bad_load_value_is_refused_in_one_line_before_anything_starts(override, says):
-    problem = precheck(["load.profile=rates", "load.rates=[1]", override])
+    problem = precheck(["load.profile=rates", "load.rates=[1]", *override.split()])
     assert problem is not None and says in problem and "\n" not in problem
+
+
+def test_a_concurrency_needs_no_rates():
+    assert precheck(["load.profile=rates", "load.arrival=concurrency"]) is None
 
 
 def test_the_cli_refuses_a_bad_load_value_with_exit_2_and_starts_no_server(tmp_path):

@@ -10,6 +10,6 @@
     run.py       one load run: the target, the rates (nested MLflow runs), the capacity
     report.py    the sweep report's capacity table and latency-throughput figure
 
-A new target is a class with `submit(request, record, done)`, `problem()` and `close()` (driver.py), chosen
-in run.py's `LoadRun.open`.
+A new target is a class with `submit(request, record, done)`, `cancel(request)`, `problem()` and `close()`
+(driver.py), chosen in run.py's `LoadRun.open`.
 """

@@ -53,6 +53,7 @@ class LoadConfig(Validated):
     lengths: str = "chat"  # chat (shipped) | fixed:P/O | uniform:P1-P2/O1-O2 | workload | a .jsonl of lengths
     seed: int = 0  # arrivals and lengths
     prompt_seed: int = 0  # the prompts' text only (same lengths): repeats against a server that caches prompts
+    # (no effect with lengths=workload: those prompts are the run's own)
     slo: SloConfig = field(default_factory=SloConfig)
     goodput_share: float = 0.9  # capacity: the highest offered rate whose goodput is at least this share of it
     url: str = ""  # an OpenAI-compatible server already running (base URL); empty = quantbench starts its target
@@ -85,7 +86,10 @@ class LoadConfig(Validated):
             if not isinstance(r, (int, float)) or isinstance(r, bool) or not r > 0 or r == float("inf"):
                 p.append(f"load.rates={rates} must hold finite request rates > 0 (requests/s)")
                 break
-        if self.profile == "rates" and not rates:
+        if self.profile == "sweep" and self.arrival == "concurrency":  # it would run one concurrency, no sweep
+            p.append("load.profile=sweep offers rates, and load.arrival=concurrency offers none (one closed loop at "
+                     "load.concurrency): use load.profile=rates with it, or another load.arrival")
+        if self.profile == "rates" and not rates and self.arrival != "concurrency":  # a concurrency needs no rate
             p.append("load.profile=rates needs load.rates=[r1,r2,...] (requests/s), or use load.profile=sweep")
         for name in ("sweep_rates", "concurrency", "requests", "parallel"):
             v = getattr(self, name)

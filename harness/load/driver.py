@@ -10,13 +10,19 @@ run of a sweep).
 Each request's scheduled and actual send time are recorded; the summary marks a rate whose p99 lag passes
 `load.max_send_lag_ms` as not open-loop (on 2 cores the client shares the CPU with the model).
 
-A target (harness/load/targets.py) has `submit(request, record, done)`, which returns at once and calls
-`done()` when the request ended (answered, failed or given up); `problem()`, a one-line reason once the
-target is dead; and `close()`.
+A target (http.py, inprocess.py) has `submit(request, record, done)`, which returns at once and calls
+`done()` when the request ended (answered, failed or given up); `cancel(request)`, which stops a request the
+client gave up on (its deadline passed) so it does not keep loading the target during the next rate;
+`problem()`, a one-line reason once the target is dead; and `close()`.
+
+A request unanswered `timeout_s` after its send expires, in either mode: its record is frozen as it stood
+(unfinished), its slot is freed and the target is told to cancel it. The target's thread may still touch
+the original record afterwards; the copy the driver returns no longer changes.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import random
@@ -42,6 +48,8 @@ class Target(Protocol):
     name: str
 
     def submit(self, request: Request, record: RequestRecord, done: Callable[[], None]) -> None: ...
+
+    def cancel(self, request: Request) -> None: ...
 
     def problem(self) -> str: ...
 
@@ -80,23 +88,44 @@ def drive(target: Target, requests: list[Request], times: list[float], timeout_s
 
     Returns the records and the end (seconds after the start: the last chunk, or the deadline of a request
     that never ended). Raises TargetDied (records kept) when the target dies; never drops a request: one
-    unanswered by `timeout_s` after its send stays in the records as unfinished."""
+    unanswered by `timeout_s` after its send stays in the records as unfinished, and is cancelled."""
     t0 = time.perf_counter()
     records = [RequestRecord(index=r.index, prompt_tokens=len(r.prompt), max_tokens=r.max_tokens, scheduled=t,
                              origin=t0) for r, t in zip(requests, times, strict=True)]
     ended = [threading.Event() for _ in requests]
+    expired: set[int] = set()
+    lock = threading.Lock()  # done() runs on the target's threads, expiry on this one: a slot is freed once
     slots = threading.Semaphore(concurrency) if concurrency > 0 else None
+    submitted = 0
 
     def finish(i: int) -> Callable[[], None]:
         def done() -> None:
-            if not ended[i].is_set():
+            with lock:
+                if ended[i].is_set() or i in expired:
+                    return
                 ended[i].set()
-                if slots is not None:
-                    slots.release()
+            if slots is not None:
+                slots.release()
         return done
 
+    def expire(i: int) -> None:
+        with lock:
+            if ended[i].is_set() or i in expired:
+                return
+            expired.add(i)
+            records[i] = copy.deepcopy(records[i])  # frozen: the target's thread may still write to the original
+        if slots is not None:
+            slots.release()
+        target.cancel(requests[i])
+
     def check() -> None:
+        now = time.perf_counter() - t0
+        for i in range(submitted):
+            if now > records[i].sent + timeout_s:
+                expire(i)
         if (why := target.problem()):
+            for i in range(submitted):  # nothing more will come back: stop what is still in flight
+                expire(i)
             raise TargetDied(why, records, time.perf_counter() - t0)
 
     for i, (req, rec) in enumerate(zip(requests, records, strict=True)):
@@ -110,13 +139,12 @@ def drive(target: Target, requests: list[Request], times: list[float], timeout_s
                 if wait > poll_s:
                     check()
         rec.sent = rec.now()  # the target may restamp it when the bytes leave (HTTP thread)
+        submitted = i + 1
         target.submit(req, rec, finish(i))
-    for i, rec in enumerate(records):
-        while not ended[i].wait(poll_s):
+    for i in range(len(records)):
+        while not ended[i].wait(poll_s) and i not in expired:
             check()
-            if time.perf_counter() - t0 > rec.sent + timeout_s:
-                break
     check()  # refused connections end requests at once, without a wait that would have noticed the death
     ends = [r.chunks[-1] for r in records if r.chunks]  # the last chunk, or the deadline of one never ended
-    ends += [r.sent + timeout_s for r, e in zip(records, ended, strict=True) if not e.is_set()]
+    ends += [records[i].sent + timeout_s for i in expired]
     return records, max(ends, default=time.perf_counter() - t0)

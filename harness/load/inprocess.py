@@ -5,6 +5,8 @@ and leaving the running batch); each request is added at its arrival time with `
 thread takes every streamed output from the manager's queue and stamps its new tokens on arrival, as a client
 of a server would see them. EOS is off (`eos_token_id=-1`) so outputs keep their drawn lengths, as
 `ignore_eos` does on the HTTP target. The cache is sized for `parallel` requests of the longest drawn length.
+A request the client gave up on is cancelled in the manager (`cancel_request`): it leaves the running batch
+instead of decoding on into the next rate.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ class InProcessTarget:
         record.sent = record.now()
         self.manager.add_request(input_ids=request.prompt, request_id=rid, max_new_tokens=request.max_tokens,
                                  streaming=True, eos_token_id=-1)
+
+    def cancel(self, request: Request) -> None:
+        rid = f"{request.tag}-{request.index}"
+        with self.lock:
+            self.pending.pop(rid, None)  # whatever it still streams is dropped by the router
+        self.manager.cancel_request(rid)
 
     def _route(self) -> None:
         while self.running:

@@ -7,7 +7,8 @@ A spec is one of
 - `uniform:P1-P2/O1-O2`: lengths drawn uniformly (inclusive) from those ranges;
 - a `.jsonl` file: one `{"prompt_tokens": P, "output_tokens": O}` per line (a line holding only `_comment`
   is skipped), drawn with replacement;
-- `workload`: the run's own prompts (`measure.prompts`, with their per-prompt `max_new_tokens`), cycled.
+- `workload`: the run's own prompts (`measure.prompts`, with their per-prompt `max_new_tokens`), cycled: the
+  same prompts at every rate (run.py tags it `load.prefix_reuse=true`).
 Draws are seeded by `load.seed`. Prompt ids are windows of real English text (the builtin corpus and the
 calibration text, tokenized by the run's tokenizer), so a server sees ordinary tokens, never random ids.
 """

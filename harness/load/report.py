@@ -56,10 +56,11 @@ def section(rows: list[dict]) -> str:
         return ""
     slo = rows[0]["tags"].get("load.slo", "none")
     lines = ["", "## Serving: capacity under the SLO", "",
-             f"SLO per request: {slo}. Capacity: the highest offered rate whose goodput (requests meeting every limit) "
-             "is at least load.goodput_share of it (≥: the highest rate offered passed, so the SLO did not bind there; "
-             "<: no rate did); TTFT and TPOT percentiles at that rate. single-stream: 1000 / the "
-             "synchronous run's median TPOT. open loop: every rate's p99 send lag within load.max_send_lag_ms.", "",
+             f"SLO per request: {slo}. Capacity: the knee, the highest offered rate whose goodput (requests meeting "
+             "every limit) is at least load.goodput_share of it with every lower rate passing too (≥: every rate "
+             "offered passed, so the SLO did not bind up to there; <: the lowest rate failed); TTFT and TPOT "
+             "percentiles at that rate. single-stream: 1000 / the synchronous run's median TPOT. open loop: every "
+             "rate's p99 send lag within load.max_send_lag_ms.", "",
              "| format (target) | capacity req/s | TTFT ms p50 / p90 / p99 | TPOT ms p50 / p90 / p99 | max req/s | "
              "single-stream tok/s | open loop | status |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -(r["metrics"].get("capacity_rps") or 0.0)):

@@ -9,9 +9,11 @@ Target: `load.url` when set; else `engine=llama_cpp` starts llama-server on the 
 this process (harness/load/inprocess.py). Rates: `load.rates`, or the sweep (guidellm's): a synchronous run
 (one request at a time), a maximum-throughput run (every request at once), then `load.sweep_rates` rates
 evenly between the two. Each rate is a nested MLflow run; the parent holds the capacity under the SLO (the
-highest offered rate whose goodput is at least `load.goodput_share` of it) and the latencies at that rate.
-Every rate offers the same drawn lengths, with prompts cut from other places of the text (no prefix cache hit
-carries over from one rate to the next).
+knee: the highest offered rate whose goodput is at least `load.goodput_share` of it, every lower rate passing
+too) and the latencies at that rate. Every rate offers the same drawn lengths on the same seeded arrivals, time-
+scaled to its rate, with prompts cut from other places of the text (no prefix cache hit carries over from one
+rate to the next), except `load.lengths=workload`: the run's own prompts, the same at every rate (tagged
+`load.prefix_reuse=true`; llama-server is asked not to reuse its cache, `cache_prompt: false`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from harness.load.driver import Request, TargetDied, drive, schedule
 from harness.load.http import HttpTarget
 from harness.load.inprocess import InProcessTarget
 from harness.load.server import LlamaServer, binary
-from harness.load.stats import QUANTILES, capacity, summarize, sweep_rates
+from harness.load.stats import CLOSED, QUANTILES, above_knee, capacity, summarize, sweep_rates
 from harness.measure import memory, workloads
 from harness.models import load_tokenizer
 from harness.run.hooks import Outcome
@@ -106,6 +108,10 @@ class LoadRun:
             wl = workloads.resolve(self.exp.measure, self.tokenizer)
             self.fixed = [wl.prompts[i % len(wl.prompts)] for i in range(n)]
             self.lengths = [(len(p), wl.limits[i % len(wl.limits)]) for i, p in enumerate(self.fixed)]
+            self.tags["load.prefix_reuse"] = "true"
+            log.warning("load.lengths=workload sends the run's own %d prompt(s) again at every rate (and the warmup): "
+                        "a server that caches prompts answers repeats without their prefill%s", len(wl.prompts),
+                        "; llama-server is sent cache_prompt=false" if self.kind == "llama-server" else "")
         else:
             self.lengths = lengths.draw(str(cfg.lengths), n, cfg.seed)
             self.stream = lengths.text_ids(self.tokenizer)
@@ -140,8 +146,10 @@ class LoadRun:
             self.server.start()
             self.metrics["load_s"] = measure.now() - t0
             self.tags["log_file"] = str(self.log_file)
+            # workload prompts repeat at every rate: ask llama-server not to reuse their KV cache (a field it knows)
             self.target = HttpTarget(self.server.url, tokenizer=tokenizer, timeout_s=cfg.request_timeout_s,
-                                     server=self.server, name="llama-server")
+                                     server=self.server, name="llama-server",
+                                     body={"cache_prompt": False} if self.fixed is not None else None)
             return
         session = exp.engine.open(exp, self.device, threads)
         metrics, tags = session.load(tokenizer, None, self.log_file)
@@ -165,15 +173,16 @@ class LoadRun:
     def point(self, label: str, reqs: list[Request], rate: float, concurrency: int = 0) -> dict[str, float]:
         """Offer one rate (or a concurrency); record it as a child run; its metrics."""
         cfg = self.cfg
-        times = schedule(cfg.arrival if not concurrency else "concurrency", rate, len(reqs), cfg.seed + len(self.children),
-                         cfg.burstiness)
+        # one seed for every rate: each rate's gaps are the same draws scaled by 1/rate, so the rates differ by
+        # their rate only (a seed per rate moved the actual offered rate by ~20% between neighbours)
+        times = schedule(cfg.arrival if not concurrency else "concurrency", rate, len(reqs), cfg.seed, cfg.burstiness)
         offered = rate if not concurrency and math.isfinite(rate) else math.nan
         died = ""
         try:
             records, end = drive(self.target, reqs, times, cfg.request_timeout_s, concurrency=concurrency)
         except TargetDied as exc:
             records, end, died = exc.records, exc.end, str(exc)
-        metrics, tags = summarize(records, offered, cfg.slo.limits(), cfg.max_send_lag_ms, end)
+        metrics, tags = summarize(records, offered, cfg.slo.limits(), cfg.max_send_lag_ms, end, closed=concurrency > 0)
         if not died and records and all(r.error for r in records):  # nothing was served: not a measurement
             died = (f"load point {label}: all {len(records)} requests failed (first: {records[0].error}); is the "
                     "server at load.url up and serving this model?")
@@ -213,15 +222,20 @@ class LoadRun:
         """The parent's metrics: capacity under the SLO and the latencies at that rate."""
         pts = [c for c in self.children if c["tags"]["load.point"] not in ("synchronous", "throughput")
                and not math.isnan(c["metrics"]["offered_rps"])]
-        cap = capacity([(c["metrics"]["offered_rps"], c["metrics"]["goodput_rps"]) for c in pts], self.cfg.goodput_share)
+        passes = [(c["metrics"]["offered_rps"], c["metrics"]["goodput_rps"]) for c in pts]
+        cap = capacity(passes, self.cfg.goodput_share)
         self.metrics["max_rps"] = max([self.metrics.get("max_rps", 0.0)]
                                       + [c["metrics"]["request_throughput_rps"] for c in self.children])
         if pts:
             self.metrics["capacity_rps"] = cap
             top = max(c["metrics"]["offered_rps"] for c in pts)
-            # below the lowest rate, at the highest one offered (a lower bound: the SLO did not bind), or between
+            # below the lowest rate, at the highest one offered (every rate passed: the SLO did not bind), or between
+            # the knee and the first rate that failed
             self.tags["load.capacity_bound"] = ("below lowest rate" if cap == 0 else
                                                 "at least (highest rate offered)" if cap == top else "bracketed")
+            stray = above_knee(passes, self.cfg.goodput_share)
+            self.tags["load.capacity_pattern"] = ("monotone" if not stray else "non-monotone: " + ", ".join(
+                f"{r:.3g}/s" for r in stray) + " passed above a failing rate (noise: raise load.requests)")
         at = next((c for c in pts if c["metrics"]["offered_rps"] == cap), None)
         if at is not None:
             for q in QUANTILES:
@@ -231,7 +245,8 @@ class LoadRun:
         if lags:
             self.metrics["send_lag_ms_p99"] = max(lags)
         self.metrics["load_points"] = float(len(self.children))
-        self.tags["load.open_loop"] = str(all(c["metrics"]["open_loop"] for c in pts)).lower()
+        # open loop or not is a question for offered rates only; a closed-loop run has none
+        self.tags["load.open_loop"] = str(all(c["metrics"]["open_loop"] == 1.0 for c in pts)).lower() if pts else CLOSED
         self.tags["load.slo"] = ", ".join(f"{k}<={v:g}" for k, v in self.cfg.slo.limits().items()) or "none"
 
     def outcome(self) -> Outcome:

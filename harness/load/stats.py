@@ -17,6 +17,7 @@ from harness.measure import percentile
 
 MS = 1000.0
 QUANTILES = (50, 90, 99)
+CLOSED = "n/a (closed loop)"  # load.open_loop of a closed-loop point, and of a run with no open-loop point
 
 
 @dataclass
@@ -40,6 +41,11 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         return self.finished and not self.error and bool(self.chunks)
+
+    @property
+    def failed(self) -> bool:
+        """Ended in an error, or ended with no text at all (an empty answer is no answer)."""
+        return bool(self.error) or (self.finished and not self.chunks)
 
     @property
     def ttft(self) -> float:
@@ -76,19 +82,22 @@ def meets(rec: RequestRecord, slo: dict[str, float]) -> bool:
 
 
 def summarize(records: list[RequestRecord], offered: float, slo: dict[str, float], lag_limit_ms: float,
-              end: float) -> tuple[dict[str, float], dict[str, str]]:
+              end: float, closed: bool = False) -> tuple[dict[str, float], dict[str, str]]:
     """Metrics of one rate (names in harness/metrics.py, phase `serving`) and its tags.
 
     `end`: when the rate ended (seconds after its start): the last chunk, or the deadline when some request
-    never finished. Throughputs divide by it; unfinished and failed requests stay in the counts."""
+    never finished. Throughputs divide by it; unfinished and failed requests stay in the counts, and every
+    request is exactly one of ok, failed or unfinished. `closed`: a closed loop (a concurrency), whose schedule is
+    stamped when a slot frees, so its send lag says nothing: not open-loop, not a lag."""
     ok = [r for r in records if r.ok]
     sent = [r for r in records if not math.isnan(r.sent)]
     duration = max(end, 1e-9)
     good = sum(meets(r, slo) for r in records)
     m: dict[str, float] = {
         "offered_rps": offered, "requests_sent": float(len(sent)), "requests_ok": float(len(ok)),
-        "failed_requests": float(sum(bool(r.error) for r in records)),
+        "failed_requests": float(sum(r.failed for r in records)),
         "unfinished_requests": float(sum(not r.finished and not r.error for r in records)),
+        "short_outputs": float(sum(r.output_tokens < r.max_tokens for r in ok)),  # a server that stopped early
         "request_throughput_rps": len(ok) / duration,
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / duration,
         "load_duration_s": duration,
@@ -98,17 +107,23 @@ def summarize(records: list[RequestRecord], offered: float, slo: dict[str, float
         # time instead, whose drain (the last request's latency) biases a 32-request rate down by ~10% on its own
         m["goodput_share"] = good / len(records)
         m["goodput_rps"] = offered * m["goodput_share"]
+        span = max(r.scheduled for r in records) - min(r.scheduled for r in records)
+        # the rate the drawn gaps really offer: 32 seeded draws land within ~20% of the asked rate
+        m["offered_actual_rps"] = (len(records) - 1) / span if span > 0 else math.nan
     else:  # synchronous, maximum throughput, a concurrency: nothing offered, so per second of wall time
         m["goodput_rps"] = good / duration
     for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", [r.tpot for r in ok if not math.isnan(r.tpot)]),
                          ("itl", [x for r in ok for x in r.itls]), ("e2e", [r.e2e for r in ok])):
         for q in QUANTILES:
             m[f"serve_{name}_ms_p{q}"] = percentile(values, q) * MS if values else math.nan
+    if closed:
+        m["send_lag_ms_p99"] = m["open_loop"] = math.nan
+        return m, {"load.open_loop": CLOSED, "load.loop": "closed"}
     lags = [r.lag for r in sent]
     m["send_lag_ms_p99"] = percentile(lags, 99) * MS if lags else math.nan
     open_loop = not lags or m["send_lag_ms_p99"] <= lag_limit_ms
     m["open_loop"] = float(open_loop)
-    tags = {"load.open_loop": str(open_loop).lower()}
+    tags = {"load.open_loop": str(open_loop).lower(), "load.loop": "open"}
     if not open_loop:
         tags["warning.open_loop"] = (f"p99 send lag {m['send_lag_ms_p99']:.1f} ms > load.max_send_lag_ms="
                                      f"{lag_limit_ms:g}: the client could not keep the schedule (not open-loop)")
@@ -116,10 +131,23 @@ def summarize(records: list[RequestRecord], offered: float, slo: dict[str, float
 
 
 def capacity(points: list[tuple[float, float]], share: float) -> float:
-    """The highest offered rate whose goodput is at least `share` of it; 0 when none is. points: (offered,
+    """The knee: the highest offered rate whose goodput is at least `share` of it, with every lower rate passing
+    too; 0 when the lowest rate fails. A rate that passes above a failing one is noise in a short window (the
+    arrivals happened to be kinder), not room the target has: `above_knee` lists those. points: (offered,
     goodput), open-loop rates only (the sweep's synchronous and maximum runs are not offered rates)."""
-    met = [rate for rate, goodput in points if math.isfinite(rate) and goodput >= share * rate]
-    return max(met, default=0.0)
+    cap = 0.0
+    for rate, goodput in sorted(p for p in points if math.isfinite(p[0])):
+        if goodput < share * rate:
+            break
+        cap = rate
+    return cap
+
+
+def above_knee(points: list[tuple[float, float]], share: float) -> list[float]:
+    """Rates that pass although a lower rate failed (a non-monotone pass pattern), lowest first."""
+    rates = sorted(p for p in points if math.isfinite(p[0]))
+    first_fail = next((r for r, g in rates if g < share * r), math.inf)
+    return [r for r, g in rates if r > first_fail and g >= share * r]
 
 
 def sweep_rates(sync_rps: float, max_rps: float, n: int) -> list[float]:
