@@ -26,28 +26,9 @@ from omegaconf import DictConfig
 # below still runs before anything noisy is imported.
 from harness import LOG_ENV, VERBOSE_FLAGS, quiet_third_party, set_verbose
 from harness.cli import precheck, run_one
-from harness.config import register_configs
+from harness.config import group_choice_problem, register_configs
 from harness.sweep.cell import run_cell
 from harness.sweep.parent import abort, exit_code
-
-CONF = Path(__file__).resolve().parent / "conf"
-GROUPS = ("model", "quantizer", "strategy", "engine", "experiment", "workload", "size", "format")
-
-
-def check_group_choices(argv: list[str]) -> str | None:
-    """Catch an unknown `group=option` before Hydra prints a multi-line error."""
-    for arg in argv:
-        if "=" not in arg or arg.startswith("hydra"):
-            continue
-        key, value = arg.split("=", 1)
-        key = key.lstrip("+~")
-        if key not in GROUPS or value.startswith(("choice(", "range(", "glob(")):
-            continue
-        allowed = sorted(p.stem for p in (CONF / key).glob("*.yaml"))
-        for choice in value.split(","):
-            if choice and choice not in allowed:
-                return f"{key}={choice!r} is not an option; choose one of: {', '.join(allowed)}"
-    return None
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -66,7 +47,7 @@ if __name__ == "__main__":
     if any(a in VERBOSE_FLAGS for a in sys.argv[1:]):  # ours, not Hydra's: taken out before Hydra parses argv
         set_verbose()
         sys.argv = [a for a in sys.argv if a not in VERBOSE_FLAGS]
-    if (problem := check_group_choices(sys.argv[1:]) or precheck(sys.argv[1:])):
+    if (problem := group_choice_problem(sys.argv[1:]) or precheck(sys.argv[1:])):
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra import compose as hydra_compose
@@ -346,10 +347,31 @@ def build(cfg: DictConfig | dict) -> Experiment:
                       name=plain.get("name") or "", config=plain, **parts)
 
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CHOICE_GROUPS = ("model", "quantizer", "strategy", "engine", "experiment", "workload", "size", "format", "gpu_format")
+
+
+def group_choice_problem(argv: list[str]) -> str | None:
+    """An unknown `group=option` in one line, before Hydra prints a multi-line error (no compose: milliseconds).
+
+    run.py calls it on its command line; the gate on each side's overrides (harness/gate/)."""
+    for arg in argv:
+        if "=" not in arg or arg.startswith("hydra"):
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key not in CHOICE_GROUPS or value.startswith(("choice(", "range(", "glob(")):
+            continue
+        allowed = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+        for choice in value.split(","):
+            if choice and choice not in allowed:
+                return f"{key}={choice!r} is not an option; choose one of: {', '.join(allowed)}"
+    return None
+
+
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
     """Compose the project config in-process (tests, the gate, benchmarks)."""
     register_configs()
-    conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))

@@ -394,6 +394,22 @@ def test_worker_refuses_a_config_without_decode_phase():
     assert not FakePipeline.made  # refused before a pipeline exists
 
 
+def test_an_unknown_option_is_one_line_in_the_worker_and_before_any_worker_starts(capsys):
+    """Not Hydra's MissingConfigException after a worker started (~9 s): the option and what is allowed."""
+    from harness.gate.worker import Worker, answer
+
+    with pytest.raises(QuantbenchError, match="quantizer='int3' is not an option; choose one of: .*bf16"):
+        answer(Worker(FakePipeline), {"cmd": "check", "overrides": [*SMOKE.split(), "quantizer=int3"]})
+    with pytest.raises(GateError, match=r"^candidate \(this checkout\): quantizer='int3' is not an option"):
+        gate.parse_args(["--baseline", SMOKE, "--candidate", f"{SMOKE} quantizer=int3"])
+    # a revision's options are its own: its worker checks them, not this checkout's conf/
+    assert gate.parse_args(["--baseline", "quantizer=int3", "--baseline-rev", "HEAD", "--candidate", SMOKE])
+    assert gate.main(["--baseline", SMOKE, "--candidate", "strategy=nope", "--no-mlflow"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: candidate (this checkout): strategy='nope' is not an option; choose one of: "
+                   f"{', '.join(sorted(p.stem for p in (ROOT / 'conf' / 'strategy').glob('*.yaml')))}"]
+
+
 def git_repo(path: Path, commits: list[tuple[str, dict[str, str]]]) -> list[str]:
     """A throwaway repository: each commit writes its files; returns the shas, oldest first."""
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",

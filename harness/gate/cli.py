@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness import quiet_third_party
+from harness.config import group_choice_problem
 from harness.errors import QuantbenchError
 from harness.gate import accuracy, interleave, report
 from harness.gate.errors import ERROR, PASS, REGRESSION, GateError
@@ -211,6 +212,9 @@ def parse_args(argv: list[str] | None) -> GateOptions:
     candidate = baseline if args.candidate is None else shlex.split(args.candidate)
     if args.candidate is None and not (args.candidate_rev or args.write_baseline or args.skip_speed):
         raise GateError("give --candidate \"<overrides>\" and/or --candidate-rev <git rev>")
+    for side, overrides, rev in (("baseline", baseline, args.baseline_rev), ("candidate", candidate, args.candidate_rev)):
+        if not rev and (problem := group_choice_problem(overrides)):  # a revision's options: its worker checks
+            raise GateError(f"{side} (this checkout): {problem}")
     return GateOptions(baseline=baseline, candidate=candidate, baseline_rev=args.baseline_rev,
                        candidate_rev=args.candidate_rev, threshold=args.threshold, block_steps=args.block_steps,
                        min_blocks=args.min_blocks, max_blocks=args.max_blocks,

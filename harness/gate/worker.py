@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from harness import measure, quiet_third_party
-from harness.config import build, compose
+from harness.config import build, compose, group_choice_problem
 from harness.errors import ConfigError, QuantbenchError
 from harness.run.pipeline import Pipeline
 
@@ -61,6 +61,8 @@ class Worker:
     def check(self, overrides: list[str]) -> dict:
         if self.pipe is not None:
             raise RuntimeError("'check' after 'load': one worker measures one config")
+        if problem := group_choice_problem(list(overrides)):  # one line, not Hydra's MissingConfigException
+            raise ConfigError([problem])
         exp = build(compose(list(overrides)))  # ConfigError lists every problem; nothing loaded yet
         if problem := gate_problem(exp):
             raise ConfigError([problem])
