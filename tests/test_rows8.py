@@ -266,3 +266,34 @@ def test_a_swapped_layer_is_freed_at_once_even_with_methods_bound_to_itself():
         assert n == 2 and gone() is None  # freed by its reference count, no collection needed
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("quantizer", ["bf16", "int4"])
+def test_a_run_records_the_model_rows8_left(quantizer, tmp_path):
+    """After rows8.install the run records what is held and runs: weight_bytes counts the tied head's tiled copy
+    beside the embedding, kernel_path names the new layers, quantizer.storage claims no kernel that no longer runs;
+    the roofline reads the whole copy and one embedding row (tiny-qwen2: tied head)."""
+    from harness.analysis import roofline
+    from harness.models import load_tokenizer
+    from harness.run.engines import TransformersSession
+    from quantizers.base import tensor_bytes
+
+    exp = build(compose(["model=random", "model.arch=tiny-qwen2", f"quantizer={quantizer}", "measure.gemv=rows8",
+                         "tracking.enabled=false"]))
+    if not HERE:
+        return _refused_here()
+    paths.settle(exp, "cpu")
+    exp.quantizer.preflight("cpu")
+    session = TransformersSession(exp, "cpu", 1)
+    metrics, tags = session.load(load_tokenizer(exp.model), None, tmp_path / "log.txt")
+    model = session.model
+    held = sum(tensor_bytes(t, set()) for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+    assert type(model.lm_head) is rows8.Bf16RowsLinear
+    assert metrics["weight_bytes"] == held
+    assert "Linear[Int4OpaqueTensor]" not in tags["kernel_path"] and "torch.Linear" not in tags["kernel_path"]
+    assert "_weight_int4pack_mm_for_cpu" not in tags.get("quantizer.storage", "")
+    shape = roofline.shape_from_torch(model)
+    emb = model.get_input_embeddings().weight
+    row = emb.shape[1] * emb.element_size()
+    assert shape.weights_read(1) == held - emb.numel() * emb.element_size() + row
+    assert shape.weight_bytes == metrics["weight_bytes"]

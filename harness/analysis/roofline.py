@@ -92,6 +92,9 @@ def shape_from_torch(model: Any) -> ModelShape:
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
     out_w = getattr(out, "weight", None) if out is not None else None
+    # measure.gemv=rows8 gives a tied head its own tiled copy (quantizers/rows8.py, Bf16RowsLinear: no `weight`):
+    # the model then holds both, untied, and a step reads the whole copy and one embedding row per batch row,
+    # which is what the untied sum reads (weight_bytes, the run's metric after the swap, less the embedding)
     tied = out_w is not None and (out_w is emb or out_w.data_ptr() == emb.data_ptr())
     layers, kv_heads, head_dim = _kv_dims(model.config)
     # the KV cache holds activations, which take the embedding's dtype (embeddings are never quantized)

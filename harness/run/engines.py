@@ -19,6 +19,7 @@ from harness.measure import compile_diag, fast_path, floor, hugepages, kernels, 
 from harness.measure.workloads import encode_prompts  # noqa: F401 - re-exported (benchmarks, tests)
 from harness.run.hooks import Outcome, Record, Session
 from quantizers import gpu_paths, rows8
+from quantizers.base import audit_model
 from strategies.decode import DepthContext
 
 log = logging.getLogger("quantbench")
@@ -91,11 +92,24 @@ class TransformersSession(Session):
         tags.update(getattr(exp.quantizer, "last_tags", {}) or {})
         if getattr(getattr(exp, "decode_choice", None), "gemv", "") == "rows8":  # quantizers/rows8.py
             tags["kernel.gemv_layers"] = str(rows8.install(self.model))  # int4 layers get new storages: first
+            self.record_rows8(metrics, tags)
         moved = hugepages.move(self.model, exp.measure.hugepages, self.device)  # before compile and timing
         tags["weights.hugepages"] = moved.tag
         if moved.share is not None:
             metrics["weights_hugepage_share"] = moved.share
         return metrics, tags
+
+    def record_rows8(self, metrics: dict, tags: dict) -> None:
+        """What rows8.install left is what runs and what is held: its layer classes (kernel_path) and its bytes (a
+        tied head keeps the embedding and gains a tiled copy). The bits/weight check stays the quantizer's, made
+        before the swap, which keeps the quantizer's values bit for bit (quantizers/vnni.py)."""
+        after = audit_model(self.model, getattr(memory.backend_of(self.exp.quantizer), "skip_modules", ("lm_head",)))
+        metrics["weight_bytes"] = after["weight_bytes"]
+        if after["kernel_path"] != tags["kernel_path"]:
+            tags["kernel_path"] = after["kernel_path"]
+            if "quantizer.storage" in tags:  # its kernel (e.g. _weight_int4pack_mm_for_cpu) no longer runs
+                tags["quantizer.storage"] = (f"re-laid by measure.gemv=rows8 into {after['kernel_path']} (the "
+                                             "quantizer's values and scales, bit for bit)")
 
     def prepare(self, opts: Any, workload: Any, batches: list, log_file: Path) -> Record:
         exp = self.exp
