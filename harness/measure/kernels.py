@@ -6,14 +6,17 @@ in eager mode, but runs `aten::_weight_int8pack_mm` once inductor rewrites it). 
 region each run decodes a few more tokens of its first batch under torch.profiler, starting after the
 prefill (the `choose` hook of the decode loop fires after every forward), and records the linear-like
 operator with the most self CPU time *in the body layers* as tag `kernel.linear` (e.g.
-`aten::_weight_int4pack_mm_for_cpu`), with its share of the profiled decode time (`kernel.linear_share`,
+`aten::_weight_int4pack_mm_for_cpu`): a dispatcher op (`ns::name`, never a Python autograd.Function such as
+bitsandbytes' MatMul8bitLt), the innermost one (not aten::linear over aten::mm), one that every body layer calls
+where there is one; with its share of the profiled decode time (`kernel.linear_share`,
 also metric `kernel_linear_share`) and its calls per step. The output projection is tagged apart
 (`kernel.lm_head`, `kernel.lm_head_share`): quantizers leave it (often tied to the embedding) in 16 bits,
 and where the int kernels are fast (Zen 5) its one big bf16 matmul outweighs all the body's int matmuls
 of a small model, so a single "dominant op" would read `aten::mm` and tell a reader that int4 fell back
 to a dequantized path when it did not. Ops are told apart by shape: the output projection's operands
-carry the vocabulary dimension (the output embedding's row count), which no body layer has. A strategy that never calls the hook (its own loop) is profiled whole, prefill
-included (tag `kernel.profiled=whole generation`).
+carry the vocabulary dimension (the output embedding's row count), which no body layer has, or the
+exact shape of a tensor the head holds (quantizers/rows8.py's tiled copy). A strategy that never calls the hook
+(its own loop) is profiled whole, prefill included (tag `kernel.profiled=whole generation`).
 
 On a CUDA model the same pass also records CUDA activity, and the tags come from the device kernels instead
 (harness/measure/cuda_kernels.py): a compiled step replays a CUDA graph, so no ATen op shows on the host, but
@@ -40,6 +43,9 @@ LINEAR_OPS = ("mm", "linear", "gemm", "gemv", "matmul", "int8pack", "int4pack", 
               "quanto", "zentorch", "mkldnn", "onednn")
 COMPILED_UNSEEN = "not visible (compiled region, e.g. a CUDA graph replay)"
 NOT_LINEAR = ("bmm", "attention", "sdpa", "Torch-Compiled", "CompiledFxGraph", "## ", "cache", "Lookup")
+# a linear layer's helpers, not its matmul: bitsandbytes int8 quantizes the activations and rescales the output
+# around aten::_int_mm, and those took more self time than the matmul itself
+HELPERS = ("vectorwise_quant", "double_quant", "dequant", "quantize_")
 
 
 def is_linear_op(name: str) -> bool:
@@ -57,14 +63,18 @@ def _touches(shapes: Any, dim: int) -> bool:
     return isinstance(shapes, (list, tuple)) and any(_touches(s, dim) for s in shapes)
 
 
-def _head(shapes: Any, vocab: int) -> bool:
-    """Whether an op's operands are the output projection's: a dimension of `vocab` rows, or quantizers/rows8.py's
-    tiles of them (3-D, [vocab/4, K/32, 128] for gemv16t, [vocab/16, ...] for gemv4 and gemv8t)."""
-    if _touches(shapes, vocab):
-        return True
-    tiled = [s for s in (shapes if isinstance(shapes, (list, tuple)) else []) if isinstance(s, (list, tuple))
-             and len(s) == 3 and all(isinstance(d, int) for d in s)]
-    return any((s[0] * 4 == vocab and s[2] == 128) or s[0] * 16 == vocab for s in tiled)
+def _shapes(shapes: Any) -> list[tuple[int, ...]]:
+    """Every operand shape (a list of ints) in `shapes`, however nested."""
+    if isinstance(shapes, (list, tuple)) and shapes and all(isinstance(d, int) for d in shapes):
+        return [tuple(shapes)]
+    return [t for s in shapes for t in _shapes(s)] if isinstance(shapes, (list, tuple)) else []
+
+
+def _head(shapes: Any, vocab: int, held: frozenset[tuple[int, ...]] = frozenset()) -> bool:
+    """Whether an op's operands are the output projection's: a dimension of `vocab` rows, or exactly the shape of a
+    tensor the head holds (`held`: quantizers/rows8.py's tiles of it, [vocab/4, K/32, 128] and such). A rule on
+    tile shapes alone counted body layers of vocab/4 rows as the head (their own tiles are [N/4, K/32, 128])."""
+    return _touches(shapes, vocab) or any(s in held for s in _shapes(shapes))
 
 
 def _by_name(events: list[Event]) -> list[tuple[str, float, int]]:
@@ -77,8 +87,34 @@ def _by_name(events: list[Event]) -> list[tuple[str, float, int]]:
     return [(n, t, int(c)) for n, (t, c) in acc.items()]
 
 
-def _dominant(events: list[Event], total: float, steps: int, tag: str, metric: str) -> dict[str, Any]:
-    linear = [e for e in _by_name(events) if is_linear_op(e[0])]
+def kernel_candidate(name: str, wrappers: frozenset[str] = frozenset()) -> bool:
+    """A linear op that can name the kernel: a dispatcher op (`ns::name`; Python autograd.Function records such as
+    bitsandbytes' MatMul8bitLt or quanto's WeightQBytesLinearFunction have no namespace), not a helper, and not
+    one of `wrappers` (ops that only call another linear op: `wrapper_names`)."""
+    low = name.lower()
+    return is_linear_op(name) and "::" in name and not any(k in low for k in HELPERS) and name not in wrappers
+
+
+def wrapper_names(events: Any) -> frozenset[str]:
+    """Names of linear ops that, every time they ran, called another candidate op below them (aten::linear over
+    aten::mm, bitsandbytes::int8_linear_matmul over aten::_int_mm): the innermost op is the kernel. `events`:
+    torch.profiler's FunctionEvents (with `cpu_children`)."""
+    def below(e: Any) -> bool:
+        return any(kernel_candidate(c.name) or below(c) for c in e.cpu_children)
+
+    seen: dict[str, bool] = {}
+    for e in events:
+        if kernel_candidate(e.name):
+            seen[e.name] = seen.get(e.name, True) and below(e)
+    return frozenset(n for n, wraps in seen.items() if wraps)
+
+
+def _dominant(events: list[Event], total: float, steps: int, tag: str, metric: str,
+              wrappers: frozenset[str] = frozenset(), layers: int = 0) -> dict[str, Any]:
+    linear = [e for e in _by_name(events) if kernel_candidate(e[0], wrappers)]
+    # an op that runs in every one of the `layers` linear layers at each step names their kernel: bitsandbytes
+    # int8's aten::addmm over the outlier columns of one layer took more self time than all its aten::_int_mm calls
+    linear = [e for e in linear if e[2] / max(steps, 1) >= layers] or linear
     if not linear or total <= 0:
         if any(e[0].startswith("Torch-Compiled Region") or "cudagraph" in e[0].lower() for e in events):
             # a CUDA graph replays its kernels with no ATen call on the host (the H200 check's compiled
@@ -91,18 +127,21 @@ def _dominant(events: list[Event], total: float, steps: int, tag: str, metric: s
             f"{metric}_share": self_us / total, f"{metric}_ms_per_step": self_us / 1e3 / max(steps, 1)}
 
 
-def dominant_linear(events: list[Event], steps: int, vocab: int | None = None) -> dict[str, Any]:
-    """The body layers' linear op with the most self time (`kernel.linear`) and its share of all profiled
-    time; with `vocab` and shaped rows, the output projection's op apart (`kernel.lm_head`)."""
+def dominant_linear(events: list[Event], steps: int, vocab: int | None = None,
+                    held: frozenset[tuple[int, ...]] = frozenset(), wrappers: frozenset[str] = frozenset(),
+                    layers: int = 0) -> dict[str, Any]:
+    """The body layers' linear op with the most self time (`kernel.linear`, a `kernel_candidate`; one called by
+    each of the body's `layers` linear layers per step where there is one) and its share of all profiled time; with
+    `vocab` (and `held`: `head_shapes`) and shaped rows, the output projection's op apart (`kernel.lm_head`)."""
     total = sum(e[1] for e in events)
     if vocab:
-        head = [e for e in events if len(e) > 3 and _head(e[3], vocab)]
-        body = [e for e in events if not (len(e) > 3 and _head(e[3], vocab))]
+        head = [e for e in events if len(e) > 3 and _head(e[3], vocab, held)]
+        body = [e for e in events if not (len(e) > 3 and _head(e[3], vocab, held))]
     else:
         head, body = [], events
-    found = _dominant(body, total, steps, "kernel.linear", "kernel_linear")
+    found = _dominant(body, total, steps, "kernel.linear", "kernel_linear", wrappers, layers)
     if vocab:
-        found.update(_dominant(head, total, steps, "kernel.lm_head", "kernel_lm_head"))
+        found.update(_dominant(head, total, steps, "kernel.lm_head", "kernel_lm_head", wrappers))
     return found
 
 
@@ -113,6 +152,27 @@ def vocab_rows(model: Any) -> int | None:
     if weight is not None and weight.dim() == 2:
         return int(weight.shape[0])
     return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def body_linears(model: Any) -> int:
+    """Linear layers of the model but its output projection (modules with in/out features, outermost only)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names: list[str] = []
+    for name, m in model.named_modules() if hasattr(model, "named_modules") else ():
+        if m is head or not all(isinstance(getattr(m, a, None), int) for a in ("in_features", "out_features")):
+            continue
+        if not any(name.startswith(f"{p}.") for p in names):
+            names.append(name)
+    return len(names)
+
+
+def head_shapes(model: Any) -> frozenset[tuple[int, ...]]:
+    """Shapes of the tensors the output projection holds in more than one dimension (its own tiled copy under
+    measure.gemv=rows8): an operand of exactly such a shape is the head's."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return frozenset()
+    return frozenset(tuple(t.shape) for t in [*head.parameters(), *head.buffers()] if t.dim() > 1)
 
 
 def profile_head_kernels(model: Any, rows: int) -> frozenset[str]:
@@ -190,7 +250,8 @@ def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
     else:
         events = [(e.key, float(e.self_cpu_time_total), int(e.count), e.input_shapes)
                   for e in prof.key_averages(group_by_input_shape=True)]
-        found = dominant_linear(events, state["steps"] or tokens, vocab_rows(model))
+        found = dominant_linear(events, state["steps"] or tokens, vocab_rows(model), head_shapes(model),
+                                wrapper_names(prof.events()), body_linears(model))
     tags = {k: v for k, v in found.items() if k.startswith("kernel.")}
     tags["kernel.profiled"] = "whole generation" if whole else f"{state['steps'] or tokens} decode steps"
     metrics = {k: v for k, v in found.items() if not k.startswith("kernel.")}
