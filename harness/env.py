@@ -6,6 +6,7 @@ import functools
 import importlib.metadata
 import os
 import platform
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,12 @@ def cpu_info() -> CpuInfo:
     if not info.model_name:
         info = CpuInfo(**{**info.__dict__, "model_name": platform.processor() or platform.machine()})
     return info
+
+
+def cxx_compiler() -> str | None:
+    """A C++ compiler on PATH ($CXX, g++ or clang++), or None: torch inductor's CPU kernels and the C++ extensions
+    (quantizers/rows8.py, quanto's quanto_cpp) are built with it."""
+    return next((c for c in (os.environ.get("CXX", "g++"), "g++", "clang++") if shutil.which(c)), None)
 
 
 def git_commit(repo: Path = REPO) -> str:

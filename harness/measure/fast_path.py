@@ -39,8 +39,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import os
-import shutil
 from typing import Any
 
 import torch
@@ -81,7 +79,7 @@ def preflight(exp: Any, device: str) -> str:
     if not exp.strategy.stepwise:  # a capability (strategies/base.py): the compiled step is decode.py's
         raise QuantbenchError(f"measure.compile=true compiles the decode step of strategies/decode.py, and strategy "
                               f"{exp.strategy.name} runs its own loop; drop measure.compile or use strategy=greedy")
-    if device == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")):
+    if device == "cpu" and not env.cxx_compiler():
         raise QuantbenchError("measure.compile=true on CPU needs a C++ compiler (torch inductor compiles C++ kernels); "
                               "apt-get install g++ (scripts/setup.sh does), or drop measure.compile")
     backend_problem = backend_blocker(m.compile_backend, device)
