@@ -199,3 +199,13 @@ def test_auto_on_cuda_falls_back_to_eager_with_the_reason(zen4, caplog):
     assert "decoding eager" in caplog.text
     spec = build(compose(["model=tiny_random", "quantizer=fp16", "measure.device=cuda", "strategy=speculative"]))
     assert "runs its own loop" in paths.settle(spec, "cuda").tags()["measure.auto"]
+
+
+def test_quantizer_none_that_resolves_to_fp32_reads_no_16_bit_row(zen4):
+    """quantizer=none keeps its name when it resolves to float32 (model.dtype=float32): it is judged by the dtype it
+    loads, so it reads fp32's column (no measured row: eager), not the 16-bit one."""
+    exp = _exp("quantizer=none", "model.dtype=float32")
+    choice = paths.settle(exp, "cpu")
+    assert choice.path == "eager" and choice.by.startswith("no measured row for zen4 other"), choice.by
+    assert paths.format_class(exp.quantizer, "float32", "cpu") == "other"
+    assert paths.settle(_exp("quantizer=none"), "cpu").by.startswith("zen4 16 >= 1B params")  # bf16: the 16-bit row

@@ -40,6 +40,7 @@ from harness import env
 from harness.errors import QuantbenchError
 from harness.measure import fast_path, memory
 from harness.measure.one_row import gemv_choice
+from quantizers.auto import float_choice
 
 log = logging.getLogger("quantbench")
 
@@ -96,13 +97,15 @@ class Choice:
                 "kernel.gemv": self.gemv, "kernel.gemv_by": self.gemv_by, "measure.auto": self.auto}
 
 
-def format_class(quantizer: Any) -> str:
-    """16 | int8 | int4 | other: the column of the table a quantizer reads (by the bits it stores)."""
+def format_class(quantizer: Any, model_dtype: str | None = None, device: str = "cpu") -> str:
+    """16 | int8 | int4 | other: the column of the table a quantizer reads (by the bits it stores). A float format
+    is judged by the dtype it loads: quantizer=none keeps its name when it resolves to float32 (float_choice)."""
     if getattr(quantizer, "bits", None) in ("int8", "int4"):  # quantizer=int8/int4 (quantizers/auto.py)
         return quantizer.bits
     q = memory.backend_of(quantizer)
     if not getattr(q, "quantizes", False):
-        return "other" if getattr(quantizer, "name", "") == "fp32" else "16"
+        dtype = getattr(q, "dtype", None) or (float_choice(device, model_dtype)[0] if model_dtype else None)
+        return "other" if dtype == "float32" else "16"
     bits = float(getattr(q, "max_bits_per_weight", 32.0))
     return "int4" if bits <= 6 else "int8" if bits <= 10 else "other"
 
@@ -213,7 +216,7 @@ def settle(exp: Any, device: str) -> Choice:
                                   "fastest path that can) or measure.path=eager")
         choice = Choice(requested, f"measure.path={requested}", gemv, gemv_by, requested)
     else:
-        fmt = format_class(exp.quantizer)
+        fmt = format_class(exp.quantizer, getattr(exp.model, "dtype", None), device)
         counts = memory.model_counts(exp.model)
         row = lookup(cpu, fmt, counts.params if counts else None) if device.startswith("cpu") else None
         if row is None:
