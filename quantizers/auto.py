@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -109,7 +110,12 @@ def build_named(name: str, overrides: dict[str, Any] | None = None) -> Quantizer
     """Build a quantizer from conf/quantizer/<name>.yaml (its `_target_` is the registry), with `overrides` merged
     on top (a GPU path's kernel, group size): validated by the quantizer's own __post_init__."""
     cfg = OmegaConf.load(CONF_DIR / f"{name}.yaml")
-    return instantiate(OmegaConf.merge(cfg, overrides or {}), _convert_="all")
+    try:
+        return instantiate(OmegaConf.merge(cfg, overrides or {}), _convert_="all")
+    except InstantiationException as exc:  # the quantizer's own one-line refusal, not hydra's wrapping of it
+        if isinstance(exc.__cause__, QuantbenchError):
+            raise exc.__cause__ from None
+        raise
 
 
 def gpu_candidates(bits: str, device: str, names: tuple[str, ...]) -> tuple[gpu_paths.Choice,
@@ -163,12 +169,13 @@ class Auto(Quantizer):
         reasons, hardware = [], bool(plan)
         for name, overrides in plan:
             candidate = build_named(name, overrides)
-            if self.head != "keep":
-                if not hasattr(candidate, "head"):
-                    reasons.append(f"{name}: has no quantizer.head option")
-                    continue
-                candidate.head = self.head
             try:
+                if self.head != "keep":
+                    if not hasattr(candidate, "head"):
+                        reasons.append(f"{name}: has no quantizer.head option")
+                        continue
+                    # built with it, so that its own __post_init__ checks it against the kernel
+                    candidate = build_named(name, {**overrides, "head": self.head})
                 candidate.preflight(device)
             except QuantbenchError as exc:
                 reasons.append(f"{name}: {exc}")

@@ -77,6 +77,13 @@ INT8_KERNELS = ("auto", "int8pack", "torchao", "fused")
 HEADS = ("keep", "int8")  # quantizer.head: the output projection left in 16 bits, or int8 per row (CPU)
 
 
+def head_device_check(head: str, device: str) -> None:
+    """head=int8 is Int8PackLinear, ATen's CPU int8 op: one line on another device, before anything loads."""
+    if head == "int8" and not device.startswith("cpu"):
+        raise QuantbenchError(f"quantizer.head=int8 is a CPU path (Int8PackLinear, aten::_weight_int8pack_mm); on "
+                              f"{device} use quantizer.head=keep")
+
+
 def head_problem(head: str, kernel: str) -> str:
     if (err := one_of("quantizer.head", head, HEADS)):
         return err
@@ -159,6 +166,7 @@ class TorchAoInt8(InductorFlags, BF16OnCPU, TimedLoad, Quantizer):
     def preflight(self, device: str) -> None:
         super().preflight(device)
         self._device = device
+        head_device_check(self.head, device)
         if self._kernel(device) == "int8pack" and not device.startswith("cpu"):
             raise QuantbenchError("quantizer torchao_int8 kernel=int8pack is the CPU path; on CUDA use "
                                   "quantizer.kernel=torchao or fused (or auto)")
@@ -255,6 +263,7 @@ class TorchAoInt4(InductorFlags, BF16OnCPU, TimedLoad, Quantizer):
     def preflight(self, device: str) -> None:
         super().preflight(device)
         self._device = device
+        head_device_check(self.head, device)
         if self._kernel(device) == "tinygemm" and not device.startswith("cuda"):
             raise Unsupported("needs CUDA: quantizer torchao_int4 kernel=tinygemm (Int4WeightOnlyConfig) is CUDA-only in "
                                   "torchao 0.18; on CPU use quantizer=torchao_int4 quantizer.kernel=packed "

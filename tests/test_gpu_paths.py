@@ -273,3 +273,20 @@ def test_the_probe_runs_its_variants_and_writes_a_row_each(tmp_path):
     assert all(r["us"] > 0 and r["spread_us"] >= 0 and r["kernels"] for r in rows.values())
     assert rows["int8_eager"]["GB/s"] < rows["fp16"]["GB/s"]
     assert "| int8_eager | OK |" in (tmp_path / "probe.md").read_text()
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_head_int8_is_refused_on_cuda_in_one_line(monkeypatch, bits):
+    """head=int8 is a CPU path: quantizer=int8/int4 builds its backend with it (so the backend's own checks run,
+    not a head set after them), and torchao's quantizers refuse it on CUDA before anything loads."""
+    from harness.config import build, compose
+
+    _gpu(monkeypatch, H100)
+    q = build(compose(["model=tiny_random", f"quantizer={bits}", "quantizer.head=int8"])).quantizer
+    with pytest.raises(QuantbenchError, match=r"quantizer.head=int8 is a CPU path") as err:
+        q.preflight("cuda")
+    assert "\n" not in str(err.value)
+    for cls in (TorchAoInt8, TorchAoInt4):  # kernel=auto is a CPU kernel too: only the device tells
+        with pytest.raises(QuantbenchError, match=r"^quantizer.head=int8 is a CPU path .*; on cuda use "
+                                                  r"quantizer.head=keep$"):
+            cls(head="int8").preflight("cuda")
