@@ -72,6 +72,13 @@ def cpu_class(cpu: Any) -> str:
     return "avx2" if cpu.isa in ("avx2", "avx512") else "baseline"
 
 
+def native_16bit(dtype: str, cpu: Any) -> bool:
+    """Whether `cpu` (harness.env.CpuInfo) has hardware dot products for the 16-bit `dtype`."""
+    if dtype == "bfloat16":
+        return cpu.native_bf16
+    return any(f in cpu.flags for f in ("avx512_fp16", "amx_fp16"))
+
+
 def float_choice(device: str, model_dtype: str, cpu: Any = None) -> tuple[str, str]:
     """(dtype, why) for quantizer=none: the float format this device is fastest with (module docstring).
 
@@ -88,7 +95,8 @@ def float_choice(device: str, model_dtype: str, cpu: Any = None) -> tuple[str, s
         return "float32", f"cpu.isa {cpu.isa}: model.dtype float32 kept (none never lowers precision)"
     if cls == "baseline":
         return "float32", f"cpu.isa {cpu.isa}: no AVX2, 16-bit conversions are not vectorized; fp32"
-    how = "native" if cls == "native_bf16" and model_dtype == "bfloat16" else "emulated: multi-token matmuls in fp32"
+    # the rule quantizers/dtype.py's apply_prefill_matmul applies: fp16 is native on AVX512_FP16/AMX-FP16 too
+    how = "native" if native_16bit(model_dtype, cpu) else "emulated: multi-token matmuls in fp32"
     return model_dtype, f"cpu.isa {cpu.isa}: {model_dtype} weights ({how})"
 
 

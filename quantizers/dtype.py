@@ -35,7 +35,7 @@ from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.errors import ConfigError, one_of
 from harness.measure.one_row import gemv_choice, sixteen_choice
 from harness.schema import DTYPES
-from quantizers.auto import float_choice
+from quantizers.auto import float_choice, native_16bit
 from quantizers.base import Quantizer
 
 # torch is imported where used: config validation instantiates quantizers before any model library loads
@@ -92,13 +92,6 @@ def upcast_prefill(model: Any) -> int:
             m.forward = types.MethodType(_upcast_forward, m)
             n += 1
     return n
-
-
-def native_16bit(dtype: str, cpu: Any) -> bool:
-    """Whether `cpu` (harness.env.CpuInfo) has hardware dot products for the 16-bit `dtype`."""
-    if dtype == "bfloat16":
-        return cpu.native_bf16
-    return any(f in cpu.flags for f in ("avx512_fp16", "amx_fp16"))
 
 
 def apply_prefill_matmul(model: Any, dtype: str, device: str, policy: str) -> str:

@@ -65,6 +65,24 @@ def test_none_resolves_through_the_isa_table(text, model_dtype, want):
     assert float_choice("cuda", "bfloat16", parse_cpuinfo(text))[0] == "bfloat16"
 
 
+@pytest.mark.parametrize("text, model_dtype, native", [(SAPPHIRE, "float16", True), (SAPPHIRE, "bfloat16", True),
+                                                       (ZEN5, "float16", False), (ZEN3, "bfloat16", False)])
+def test_none_says_native_exactly_where_the_prefill_is_not_upcast(compose, monkeypatch, text, model_dtype, native):
+    """float_choice's "native" and apply_prefill_matmul's rule are one (quantizers.auto.native_16bit): fp16 is native
+    with AVX512_FP16 (Sapphire Rapids), where the resolution once said emulated and the prefill tag native."""
+    from harness import env
+    from harness.config import build
+    from harness.models import load_tokenizer
+
+    monkeypatch.setattr(env, "cpu_info", lambda: parse_cpuinfo(text))
+    exp = build(compose(FAST + ["quantizer=none", f"model.dtype={model_dtype}"]))
+    exp.quantizer.preflight("cpu")
+    exp.quantizer.load(exp.model, tokenizer=load_tokenizer(exp.model), device="cpu", experiment=exp)
+    tags = exp.quantizer.last_tags
+    assert tags["quantizer.resolved_by"].endswith("(native)") is native, tags
+    assert tags["quantizer.prefill_matmul"].startswith("native") is native, tags
+
+
 def test_int_aliases_pick_rows_by_compile_and_isa(monkeypatch):
     from quantizers import auto
 
