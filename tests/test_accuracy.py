@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.analysis import accuracy as acc
-from harness.analysis import intervals
+from harness.analysis import intervals, output_layer
 from harness.config import build
 from harness.errors import ConfigError
 from tests.conftest import FAST
@@ -114,6 +114,76 @@ def test_tail_bound_holds_per_token_and_is_attained():
     assert torch.all(kl_k <= full + 1e-12) and torch.all(full <= kl_k + bound + 1e-12)
     assert tail[-1] == pytest.approx(0.14, abs=1e-12)
     assert float(kl_k[-1] + bound[-1]) == pytest.approx(float(full[-1]), rel=1e-9)
+
+
+def test_topk_covering_the_whole_vocabulary_is_the_plain_kl():
+    """kl_top_k >= the vocabulary: no tail, so the plain KL (the tail term was Q's log 0 = inf)."""
+    torch.manual_seed(1)
+    vocab = 40
+    q_logits = torch.randn(16, vocab, dtype=torch.float64) * 3
+    lp = torch.log_softmax(torch.randn(16, vocab, dtype=torch.float64) * 3, -1)
+    r_lp, idx = lp.topk(vocab, -1)
+    kl_k, tail, bound = acc._kl_topk(r_lp, idx, q_logits)
+    full = (lp.exp() * (lp - torch.log_softmax(q_logits, -1))).sum(-1)
+    assert torch.isfinite(kl_k).all()
+    assert kl_k.tolist() == pytest.approx(full.tolist(), rel=1e-9)
+    assert tail.abs().max() == 0 and bound.abs().max() == 0
+
+
+def _gemma2(path, softcap, init):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from harness.models import byte_tokenizer
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, final_logit_softcapping=softcap,
+                          initializer_range=init, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    Gemma2ForCausalLM(config).save_pretrained(path)
+    tok = byte_tokenizer()
+    tok.save_pretrained(path)
+    return tok
+
+
+def test_softcap_in_the_config_refuses_the_exact_record_in_bf16(cache, tmp_path, caplog):
+    """Gemma 2's default softcap (30) on small logits: in bf16 the recomputed logits missed the model's by less
+    than the old tolerance (4 bf16 eps x max|logit|, ~3%), the record was "exact" and the reference scored a
+    non-zero KL against itself. The config names the softcap: top-k, with the warning."""
+    from harness.config import AccuracyConfig
+    from harness.models import HFModel, load_pretrained
+
+    tok = _gemma2(tmp_path / "gemma2", 30.0, 0.1)
+    source = HFModel(name_or_path=str(tmp_path / "gemma2"), dtype="bfloat16")
+    cfg = AccuracyConfig(max_tokens=200, context_length=64, stride=64, reference_dtype="bfloat16")
+    with caplog.at_level(logging.WARNING, logger="quantbench"):
+        reference, _ = acc.ensure_reference(source, tok, cfg, "cpu")
+    assert reference["meta"]["mode"] == "topk"
+    assert "final_logit_softcapping=30.0" in caplog.text
+    ids = acc.corpus_tokens(tok, cfg.corpus, cfg.max_tokens)
+    same = acc.score(load_pretrained(source, "bfloat16", "cpu"), ids, cfg, "cpu", reference=reference)
+    assert same["kl_div_mean"] < 1e-9 and same["top1_agreement"] == 1.0
+
+
+def test_exact_check_admits_one_rounding_not_a_softcap():
+    """`within_rounding` in bf16: a neighbouring value passes, a softcap that moves the largest logit by 2.3%
+    (under the old 4 x eps x max|logit| = 3.1%) does not."""
+    own = torch.linspace(-8, 8, 257).to(torch.bfloat16)[None]
+    assert output_layer.within_rounding(own.clone(), own, 8.0) == 0.0
+    up = torch.nextafter(own, torch.full_like(own, float("inf")))  # one bf16 ulp above every logit
+    assert output_layer.within_rounding(up, own, 8.0) <= 1.0
+    capped = (30 * torch.tanh(own.float() / 30)).to(torch.bfloat16)
+    assert float((capped.float() - own.float()).abs().max()) <= 4 * torch.finfo(torch.bfloat16).eps * 8
+    assert output_layer.within_rounding(capped, own, 8.0) > 1.0
+
+
+def test_a_16_bit_reference_of_a_plain_model_stays_exact(compose, cache):
+    from harness.models import load_pretrained
+
+    exp, tok, ids = _setup(compose, "accuracy.reference_dtype=bfloat16")
+    reference, _ = acc.ensure_reference(exp.model, tok, exp.accuracy, "cpu")
+    assert reference["meta"]["mode"] == "exact"
+    same = acc.score(load_pretrained(exp.model, "bfloat16", "cpu"), ids, exp.accuracy, "cpu", reference=reference)
+    assert same["kl_div_mean"] == 0.0
 
 
 def test_softcapped_logits_fall_back_loudly_to_topk(cache, tmp_path, caplog):

@@ -14,9 +14,10 @@ format, model, corpus, accuracy settings, library versions), so a sweep computes
   `hidden_size` values per token: 2.3 KB for SmolLM2 in fp32). p = softmax(W h + b), with W, b the output
   layer read in `reference_dtype` from the model's cached safetensors directory (pinned by a sha256 in
   the record), so KL is summed over the whole vocabulary, in float64: exact. The record is only written
-  after checking, window by window, that F.linear(h, W, b) reproduces the reference's own logits (the
-  largest difference is stored; bit-identical on CPU). A model whose logits get further processing
-  (final_logit_softcapping, a logit scale) fails that check and falls back, with a warning, to:
+  after checking, window by window, that F.linear(h, W, b) reproduces the reference's own logits within
+  rounding (the largest difference is stored; bit-identical on CPU). A model whose config sets a logit
+  transform (final_logit_softcapping, a logit scale: harness/analysis/output_layer.py), or whose logits miss
+  that check, falls back, with a warning, to:
 - `accuracy.kl_reference=topk`: the top-k log-probs per token (k = `kl_top_k`) plus one bucket for the
   tail mass P (Q for the run). KL over these k+1 outcomes is a lower bound: merging outcomes hides
   sum_tail p_i log(p_i/q_i) - P log(P/Q). Every tail p_i is <= p_k (the smallest stored probability)
@@ -45,6 +46,7 @@ from tqdm import tqdm
 from harness.analysis import intervals
 from harness.analysis.corpus import BUILTIN_CORPUS  # noqa: F401 - re-exported
 from harness.analysis.corpus import load as load_corpus
+from harness.analysis.output_layer import load_head, locate_head, ref_logits, within_rounding
 from harness.cache import build_lock, cache_root
 from harness.config import TASK_FIELDS, AccuracyConfig
 from harness.errors import QuantbenchError
@@ -56,7 +58,8 @@ from harness.models import load_pretrained, torch_dtype
 log = logging.getLogger("quantbench")
 
 # 1: top-k + tail bucket, no metadata (before issue 17). 2: exact or top-k, the mode in the metadata.
-RECORD_FORMAT = "2"
+# 3: as 2, but a 16-bit reference_dtype no longer lets a softcapped model pass as exact (output_layer.py)
+RECORD_FORMAT = "3"
 _ROWS = 128  # tokens per float64 chunk: 128 x 49152 x 8 B = 50 MB per temporary
 
 
@@ -91,6 +94,22 @@ def windows(n_tokens: int, context: int, stride: int, scoring: str = "all") -> l
         begin += stride
 
 
+def spans(n_tokens: int, cfg: AccuracyConfig) -> list[tuple[int, int, int]]:
+    """`windows` of `cfg` over `n_tokens`; one line, not a division by zero, when they score no token."""
+    out = windows(n_tokens, cfg.context_length, cfg.stride, cfg.scoring)
+    if not out:
+        raise QuantbenchError(f"accuracy.corpus={cfg.corpus!r}: its {n_tokens} tokens leave none to score with "
+                              f"accuracy.scoring={cfg.scoring} (a window's first half is context); give a longer text")
+    return out
+
+
+def scored_ids(tokenizer: Any, cfg: AccuracyConfig) -> list[int]:
+    """The corpus ids `score` reads, checked to leave tokens to score: engines call it before the model loads."""
+    ids = corpus_tokens(tokenizer, cfg.corpus, cfg.max_tokens)
+    spans(len(ids), cfg)
+    return ids
+
+
 def _scored(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, desc: str, progress: bool,
             capture_hidden: bool = False):
     """Yield (targets, logits, hidden) for the scored positions of each window.
@@ -98,15 +117,15 @@ def _scored(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, desc: 
     `hidden` is the input of the output layer at those positions (captured by a hook), else None.
     """
     tokens = torch.tensor(ids, dtype=torch.long, device=device)
-    spans = windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring)
+    todo = spans(len(ids), cfg)
     if progress:
-        spans = tqdm(spans, desc=desc, unit="window", leave=False)
+        todo = tqdm(todo, desc=desc, unit="window", leave=False)
     seen: dict[str, torch.Tensor] = {}
     hook = None
     if capture_hidden:
         hook = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.update(h=args[0]))
     try:
-        for begin, end, n_new in spans:
+        for begin, end, n_new in todo:
             logits = model(input_ids=tokens[None, begin:end]).logits[0, -n_new - 1:-1]
             hidden = seen.pop("h")[0, -n_new - 1:-1] if capture_hidden else None
             yield tokens[end - n_new:end], logits, hidden
@@ -116,7 +135,7 @@ def _scored(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, desc: 
 
 
 def _n_scored(n_tokens: int, cfg: AccuracyConfig) -> int:
-    return sum(n for _, _, n in windows(n_tokens, cfg.context_length, cfg.stride, cfg.scoring))
+    return sum(n for _, _, n in spans(n_tokens, cfg))
 
 
 # ------------------------------------------------------------------------------------- the KL per token
@@ -144,10 +163,11 @@ def _kl_topk(r_lp: torch.Tensor, r_idx: torch.Tensor, q_logits: torch.Tensor
     # Q summed over the tail itself: 1 - sum(top q) loses all its digits when the top-k hold nearly all of q
     p_tail_lp, q_tail_lp = _tail_logp(r_lp), lq.scatter(-1, r_idx, float("-inf")).logsumexp(-1)
     p_tail = p_tail_lp.exp()
-    kl = (r_lp.exp() * (r_lp - q_lp)).sum(-1) + p_tail * (p_tail_lp - q_tail_lp)
+    kl = (r_lp.exp() * (r_lp - q_lp)).sum(-1)
     n_tail = lq.shape[-1] - r_idx.shape[-1]
-    if n_tail <= 0:
+    if n_tail <= 0:  # k covers the vocabulary: the plain KL, no tail (its Q would be log 0)
         return kl.clamp(min=0.0), torch.zeros_like(kl), torch.zeros_like(kl)
+    kl = kl + p_tail * (p_tail_lp - q_tail_lp)
     # the worst tail: m tokens at the cap c = p_k, one at the remainder r, on the smallest q (ascending)
     cap_lp = r_lp.min(-1).values
     m = torch.floor(p_tail / cap_lp.exp()).clamp(max=n_tail - 1).long()
@@ -173,7 +193,7 @@ def score(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, referenc
     if reference is not None and (n := _n_scored(len(ids), cfg)) != len(reference["argmax"]):
         raise QuantbenchError(f"the reference record scores {len(reference['argmax'])} tokens, this corpus "
                               f"{n}: it was built for other settings; delete {reference['meta'].get('path')}")
-    head = _load_head(reference["meta"], device) if exact else None
+    head = load_head(reference["meta"], device) if exact else None
     nll_sum, n = 0.0, 0
     kls, tails, bounds, agree = [], [], [], []
     for target, logits, _ in _scored(model, ids, cfg, device, "perplexity", progress):
@@ -185,7 +205,7 @@ def score(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, referenc
                 rows = slice(n + i, n + min(i + _ROWS, len(target)))
                 q = logits[i:i + _ROWS]
                 if exact:
-                    lp = torch.log_softmax(_ref_logits(reference["hidden"][rows], head).double(), dim=-1)
+                    lp = torch.log_softmax(ref_logits(reference["hidden"][rows], head).double(), dim=-1)
                     kls.append(_kl_full(lp, q).cpu())
                 else:
                     kl, tail, bound = _kl_topk(reference["top_lp"][rows].to(q.device),
@@ -207,70 +227,6 @@ def score(model: Any, ids: list[int], cfg: AccuracyConfig, device: str, referenc
     return out
 
 
-# ------------------------------------------------------------------------------ the reference's output layer
-
-
-def _ref_logits(hidden: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-    weight, bias = head
-    return torch.nn.functional.linear(hidden.to(weight.device, weight.dtype), weight, bias)
-
-
-def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _read_tensor(path: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
-    from safetensors import safe_open  # safetensors: never unpickles
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor(name).to(dtype)
-
-
-def _locate_head(model: Any, local_dir: Path, dtype: torch.dtype) -> tuple[dict, str]:
-    """Where the output layer's weights are on disk: (metadata, "") or ({}, why not)."""
-    from safetensors import safe_open
-
-    out = model.get_output_embeddings()
-    if not isinstance(out, torch.nn.Linear):
-        return {}, f"the output layer is a {type(out).__name__}, not a plain Linear"
-    params = dict(model.named_parameters(remove_duplicate=False))
-    meta = {"head_dtype": str(dtype).removeprefix("torch.")}
-    for part, tensor in (("weight", out.weight), ("bias", out.bias)):
-        if tensor is None:
-            meta["head_bias"] = ""
-            continue
-        names = sorted(n for n, p in params.items() if p is tensor)  # tied: the input embedding's name too
-        found = []
-        for file in sorted(local_dir.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                found += [(file.name, n) for n in names if n in f.keys()]
-        if not found:
-            return {}, f"no tensor named {' or '.join(names)} in {local_dir}"
-        meta[f"head_file_{part}"], meta[f"head_{part}"] = found[0]
-        on_disk = _read_tensor(local_dir / found[0][0], found[0][1], dtype)
-        if not torch.equal(on_disk, tensor.detach().cpu()):
-            return {}, f"{found[0][1]} in {local_dir} differs from the loaded model's output layer"
-        meta[f"head_sha256_{part}"] = _sha256(on_disk)
-    return meta, ""
-
-
-def _load_head(meta: dict, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The reference's output layer from the model directory, checked against the record's sha256."""
-    dtype = getattr(torch, meta["head_dtype"])
-    parts = []
-    for part in ("weight", "bias"):
-        if not meta.get(f"head_{part}"):
-            parts.append(None)
-            continue
-        path = Path(meta["model_dir"]) / meta[f"head_file_{part}"]
-        tensor = _read_tensor(path, meta[f"head_{part}"], dtype)
-        if _sha256(tensor) != meta[f"head_sha256_{part}"]:
-            raise QuantbenchError(f"{meta[f'head_{part}']} in {path} is not the output layer the reference record "
-                                  f"{meta.get('path')} was built with; delete that record to rebuild it")
-        parts.append(tensor.to(device))
-    return parts[0], parts[1]
-
-
 # ------------------------------------------------------------------------------------ the reference record
 
 
@@ -279,18 +235,19 @@ def _reference_pass(model: Any, ids: list[int], cfg: AccuracyConfig, device: str
                     head: tuple[torch.Tensor, torch.Tensor | None] | None) -> tuple[dict, float, float]:
     """One pass of the reference model: perplexity, argmax, top-k and (with `head`) the hidden states.
 
-    Returns (tensors, max |recomputed - own logits|, max |logit|); the caller keeps the hidden states only
-    when that difference is within rounding, else the top-k.
+    Returns (tensors, max |recomputed - own logits|, that difference in units of rounding: `within_rounding`);
+    the caller keeps the hidden states only when the latter is <= 1, else the top-k.
     """
-    nll_sum, n, worst, largest = 0.0, 0, 0.0, 0.0
+    nll_sum, n, worst, excess = 0.0, 0, 0.0, 0.0
     top_lp, top_idx, argmax, hidden = [], [], [], []
     k = min(cfg.kl_top_k, model.get_output_embeddings().out_features)
     for target, logits, h in _scored(model, ids, cfg, device, "reference", True, capture_hidden=head is not None):
         if head is not None:
+            largest = float(logits.float().abs().max())
             for i in range(0, len(target), _ROWS):  # the same chunks as `score` recomputes
-                again = _ref_logits(h[i:i + _ROWS], head)
-                worst = max(worst, float((again.float() - logits[i:i + _ROWS].float()).abs().max()))
-            largest = max(largest, float(logits.float().abs().max()))
+                again, own = ref_logits(h[i:i + _ROWS], head), logits[i:i + _ROWS]
+                worst = max(worst, float((again.float() - own.float()).abs().max()))
+                excess = max(excess, within_rounding(again, own, largest))
             hidden.append(h.cpu())
         logp = torch.log_softmax(logits.float(), dim=-1)
         nll_sum += float(-logp.gather(-1, target[:, None]).sum())
@@ -303,25 +260,23 @@ def _reference_pass(model: Any, ids: list[int], cfg: AccuracyConfig, device: str
               "perplexity": torch.tensor([float(np.exp(nll_sum / n))], dtype=torch.float64)}
     if head is not None:
         record["hidden"] = torch.cat(hidden)
-    return record, worst, largest
+    return record, worst, excess
 
 
 def build_reference(source: Any, tokenizer: Any, cfg: AccuracyConfig, device: str) -> tuple[dict, dict]:
     """Run the reference model over the corpus; returns (tensors, metadata) of the record to store."""
+    ids = scored_ids(tokenizer, cfg)  # a corpus with nothing to score is refused before the model loads
     ref_model = load_pretrained(source, cfg.reference_dtype, device)
-    ids = corpus_tokens(tokenizer, cfg.corpus, cfg.max_tokens)
     meta, why, head = {}, "accuracy.kl_reference=topk", None
     if cfg.kl_reference == "exact":
-        meta, why = _locate_head(ref_model, source.local_dir(), torch_dtype(cfg.reference_dtype))
+        meta, why = locate_head(ref_model, source.local_dir(), torch_dtype(cfg.reference_dtype))
         if meta:
             out = ref_model.get_output_embeddings()
             head = (out.weight.detach(), None if out.bias is None else out.bias.detach())
-    record, worst, largest = _reference_pass(ref_model, ids, cfg, device, head)
+    record, worst, excess = _reference_pass(ref_model, ids, cfg, device, head)
     del ref_model
     if head is not None:
-        # a few ulps of the largest logit: rounding of a differently blocked matmul, nothing systematic
-        tol = 4 * torch.finfo(head[0].dtype).eps * max(1.0, largest)
-        if worst <= tol:
+        if excess <= 1.0:  # rounding of a differently blocked matmul, nothing systematic
             meta.update(mode="exact", logit_max_abs_diff=repr(worst))
             return {k: record[k] for k in ("hidden", "argmax", "perplexity")}, meta
         why = (f"recomputing the logits from the output layer's input misses them by up to {worst:.3g} "
@@ -377,7 +332,7 @@ def _usable_reference(path: Path, source: Any) -> dict | None:
     if record is not None and record["meta"]["mode"] == "exact":
         record["meta"]["model_dir"] = str(source.local_dir())
         try:
-            _load_head(record["meta"], "cpu")  # the model directory still holds that output layer
+            load_head(record["meta"], "cpu")  # the model directory still holds that output layer
         except QuantbenchError as exc:
             log.warning("accuracy: rebuilding the reference record: %s", exc)
             record = None
