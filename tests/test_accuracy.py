@@ -232,6 +232,22 @@ def test_old_or_stale_records_are_rebuilt_not_misread(compose, cache):
     assert acc.reference_path(exp.model.identity(), other) != path
 
 
+def test_a_corpus_leaving_no_token_to_score_is_one_line(compose, tmp_path):
+    """second_half scores nothing in a 2-token chunk: score() divided by zero scored tokens, after the timing."""
+    from harness.errors import QuantbenchError
+    from harness.models import load_tokenizer
+
+    (tmp_path / "two.txt").write_text("ab")  # two tokens of the tiny model's byte tokenizer
+    exp = build(compose([*FAST, "accuracy.scoring=second_half", "accuracy.stride=128", "accuracy.kl=false",
+                         f"accuracy.corpus={tmp_path / 'two.txt'}"]))
+    assert acc.windows(2, 128, 128, "second_half") == []
+    match = "its 2 tokens leave none to score with accuracy.scoring=second_half"
+    with pytest.raises(QuantbenchError, match=match):
+        acc.score(None, [5, 6], exp.accuracy, "cpu")
+    with pytest.raises(QuantbenchError, match=match):  # the engine's first hook, before the model loads
+        exp.engine.open(exp, "cpu", 1).references(load_tokenizer(exp.model))
+
+
 def test_kl_reference_must_be_exact_or_topk(compose):
     with pytest.raises(ConfigError, match="accuracy.kl_reference='full' is not allowed; choose one of: exact, topk"):
         build(compose([*FAST, "accuracy.kl_reference=full"]))

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 from conftest import ROOT
 
+from harness.analysis import corpus
 from harness.cli import precheck
 from harness.config import build
-from harness.errors import ConfigError
+from harness.errors import ConfigError, QuantbenchError
 
 NO_SUCH_DATASET = "quantbench-no-such-org/no-such-corpus:raw:test"
 NO_SUCH_MODEL = "quantbench-no-such-org/no-such-model"
@@ -65,6 +68,52 @@ def test_a_cached_dataset_and_a_cached_hub_model_pass(offline_hub):
     assert precheck(["model=hf", "model.name_or_path=owner/model"]) is None
     assert precheck(["accuracy.corpus=builtin"]) is None
     assert precheck(["accuracy.enabled=false", f"accuracy.corpus={NO_SUCH_DATASET}"]) is None  # not read at all
+
+
+def test_a_cached_dataset_without_the_config_or_split_asked_for_fails_the_precheck(offline_hub):
+    """Offline, load_dataset reads only the cached copies: <config>/<version>/<hash> with its splits in
+    dataset_info.json. A config or split that is not there used to pass and fail after the timing."""
+    copy = offline_hub / "datasets" / "owner___corpus" / "raw" / "0.0.0" / "abc123"
+    copy.mkdir(parents=True)
+    (copy / "dataset_info.json").write_text(json.dumps({"config_name": "raw", "splits": {"test": {"name": "test"}}}))
+    assert precheck(["accuracy.corpus=owner/corpus:raw:test"]) is None
+    assert precheck(["accuracy.corpus=owner/corpus"]) is None  # the one cached config, split test
+    for spec, needle in (("owner/corpus:other", "holds owner/corpus only in config(s) raw, not 'other'"),
+                         ("owner/corpus:raw:train", "holds owner/corpus:raw only with split(s) test, not 'train'")):
+        problem = precheck([f"accuracy.corpus={spec}"])
+        assert problem is not None and "\n" not in problem, problem
+        assert problem.startswith(f"accuracy.corpus='{spec}': the local HF datasets cache (") and needle in problem
+
+
+def test_a_corpus_file_that_is_not_utf8_is_refused_at_validation(compose, tmp_path):
+    """Only its existence was checked: a Latin-1 file failed with UnicodeDecodeError after all the timing."""
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("a café au lait".encode("latin-1"))
+    with pytest.raises(ConfigError, match=re.escape(f"accuracy.corpus='{latin1}' is not UTF-8 text (byte 0xe9 at "
+                                                    "offset 5: invalid continuation byte)")):
+        build(compose(["model=tiny_random", f"accuracy.corpus={latin1}"]))
+    # the offset counts across read blocks, through a character cut in two by a block's end
+    cut = tmp_path / "cut.txt"
+    cut.write_bytes(b"a" * ((1 << 20) - 1) + "é".encode() + b"\xff")
+    assert "byte 0xff at offset 1048577:" in corpus.file_problem("accuracy.corpus", str(cut))
+    cut.write_bytes(b"a" * 10 + "é".encode()[:1])  # a file cut inside its last character
+    assert "byte 0xc3 at offset 10: unexpected end of data" in corpus.file_problem("accuracy.corpus", str(cut))
+
+
+def test_a_dataset_that_fails_to_load_says_why(monkeypatch):
+    """The hint blamed an unreachable hub for any failure, a missing config or split included."""
+    datasets = pytest.importorskip("datasets")
+
+    def refuse(*a, **k):
+        raise ValueError("Couldn't find cache for owner/corpus for config 'other'\nAvailable configs in the cache: "
+                         "['raw']")
+
+    monkeypatch.setattr(datasets, "load_dataset", refuse)
+    with pytest.raises(QuantbenchError) as info:
+        corpus.load("owner/corpus:other")
+    assert str(info.value) == ("accuracy.corpus='owner/corpus:other' could not be loaded (ValueError: Couldn't find "
+                               "cache for owner/corpus for config 'other'); check the name, config and split, or pass "
+                               "a local text file")
 
 
 def test_run_py_refuses_an_unloadable_corpus_in_one_line_before_any_timing(tmp_path):

@@ -13,6 +13,7 @@ without asking the network. A probe's answer is remembered for the process (a sw
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -57,6 +58,20 @@ def dataset_cached(name: str) -> bool:
     """Whether `datasets.load_dataset(name)` finds a prepared copy offline (<cache>/<owner>___<name>/...)."""
     root = datasets_cache() / name.replace("/", "___")
     return root.is_dir() and any(p.is_dir() for p in root.glob("*/*/*"))
+
+
+def cached_dataset_splits(name: str) -> dict[str, list[str] | None]:
+    """Config -> splits of the prepared copies of dataset `name` in the local cache ({} if none; splits None where
+    the copy has no dataset_info.json). Offline `load_dataset` reads only these: the config is the folder name."""
+    out: dict[str, list[str] | None] = {}
+    for folder in sorted(p for p in (datasets_cache() / name.replace("/", "___")).glob("*/*/*") if p.is_dir()):
+        try:
+            splits = list(json.loads((folder / "dataset_info.json").read_text(encoding="utf-8")).get("splits") or {})
+        except (OSError, ValueError, AttributeError):
+            splits = None
+        known = out.get(folder.parts[-3], [])  # the union over copies; unknown if any copy cannot say
+        out[folder.parts[-3]] = None if splits is None or known is None else sorted({*known, *splits})
+    return out
 
 
 @functools.lru_cache(maxsize=64)

@@ -70,6 +70,8 @@ class TransformersSession(Session):
 
     def references(self, tokenizer: Any) -> Record:
         cfg = self.exp.accuracy
+        if cfg.enabled:
+            accuracy.scored_ids(tokenizer, cfg)  # a corpus with no token to score: refused now, not after the timing
         if not (cfg.enabled and cfg.kl):
             return {}, {}
         # before the run's model loads: the reference model is freed before peak memory is tracked

@@ -205,6 +205,11 @@ class LlamaCppSession(Session):
         self.model_shape: ModelShape | None = None
         self.depth = 0
 
+    def references(self, tokenizer: Any) -> Record:
+        if self.exp.accuracy.enabled:
+            accuracy.scored_ids(tokenizer, self.exp.accuracy)  # a corpus with no token to score: refused now
+        return {}, {}
+
     def load(self, tokenizer: Any, workload: Any, log_file: Path) -> Record:
         import llama_cpp  # optional extra (checked in preflight)
 
@@ -321,7 +326,7 @@ def perplexity(llm: Any, ids: list[int], cfg: Any) -> dict[str, float]:
     n_vocab = llm.n_vocab()
     ctx = llm._ctx.ctx
     nll, n = 0.0, 0
-    for begin, end, n_new in accuracy.windows(len(ids), cfg.context_length, cfg.stride, cfg.scoring):
+    for begin, end, n_new in accuracy.spans(len(ids), cfg):
         window = ids[begin:end]
         llm._ctx.kv_cache_clear()
         llm.reset()
