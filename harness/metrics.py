@@ -181,6 +181,10 @@ def _task_metrics(m: str, columns: dict[str, Column]) -> list[Metric]:
         Metric(f"tasks_{m}_ref_mean", "ratio", _N, "tasks", f"mean reference {m} over tasks"),
         Metric(f"tasks_{m}_diff_mean", "ratio", _H, "tasks", f"mean over tasks of {m} - reference {m}",
                columns.get("diff_mean")),
+        Metric(f"tasks_{m}_diff_pooled", "ratio", _H, "tasks",
+               f"{m} - reference {m} over all examples pooled: (wrong_to_right - right_to_wrong) / examples",
+               columns.get("diff_pooled")),
+        Metric(f"tasks_{m}_diff_pooled_se", "ratio", _L, "tasks", "its paired standard error"),
         Metric(f"tasks_{m}_right_to_wrong", "count", _L, "tasks", "answers right in the reference, wrong here",
                columns.get("right_to_wrong")),
         Metric(f"tasks_{m}_wrong_to_right", "count", _N, "tasks", "answers wrong in the reference, right here",
@@ -199,11 +203,12 @@ def _task_metrics(m: str, columns: dict[str, Column]) -> list[Metric]:
 
 
 # harness/analysis/task_accuracy.py METRICS; the report shows acc's summary
-_TABLE += _task_metrics("acc", {"mean": Column("task acc", "{:.3f}", 70),
-                                "diff_mean": Column("Δ task acc", "{:+.3f}", 71),
+_TABLE += _task_metrics("acc", {"mean": Column("task acc (mean of tasks)", "{:.3f}", 70),
+                                "diff_mean": Column("Δ task acc (mean of tasks)", "{:+.3f}", 71),
                                 "right_to_wrong": Column("flips ✓→✗", "{:.0f}", 72),
                                 "wrong_to_right": Column("flips ✗→✓", "{:.0f}", 73),
-                                "mcnemar_p": Column("McNemar p", "{:.2g}", 74)})
+                                "diff_pooled": Column("Δ acc (pooled)", "{:+.3f}", 74),
+                                "mcnemar_p": Column("McNemar p (pooled)", "{:.2g}", 75)})
 _TABLE += _task_metrics("acc_norm", {})
 _TABLE += [
     Metric("task_<task>_examples", "count", _N, "tasks", "examples scored on one task"),

@@ -131,6 +131,30 @@ def test_mcnemar_and_flips_on_a_hand_made_pairing():
     assert out["tasks_acc_mcnemar_p"] == pytest.approx(2 * 8 / 128)  # 2 x P(Binom(7, 1/2) <= 1)
     assert out["tasks_acc_diff_mean"] == pytest.approx((-0.2 - 0.3) / 2) and out["tasks_examples"] == 20
     assert out["task_a_chance"] == 0.5
+    # the pooled difference, the one the summed flips and McNemar describe: every example weighs the same
+    assert out["tasks_acc_diff_pooled"] == pytest.approx((1 - 6) / 20)
+    assert out["tasks_acc_diff_pooled_se"] == pytest.approx(math.sqrt((7 - 20 * 0.25 ** 2) / 19 / 20))
+
+
+def test_the_pooled_difference_is_not_the_mean_over_tasks_and_the_summary_shows_both():
+    """Tasks of unequal size: 10 examples, 1 lost; 40 examples, none lost. Mean over tasks -0.05, pooled -0.02."""
+    from harness.records.results import summary_line
+    from harness.run.result import Result
+
+    def answers(acc):
+        return ta.Answers(indices=list(range(len(acc))), lls=[[0.0, 0.0]] * len(acc), acc=acc, acc_norm=acc,
+                          stderr={"acc": 0.1, "acc_norm": 0.1})
+
+    ex = T.Example("q", ("x", "y"), (0,))
+    tasks = [T.Task("small", [ex] * 10, ""), T.Task("big", [ex] * 40, "")]
+    plan = ta.Plan(tasks=tasks, picks={}, reference={"small": answers([1] * 10), "big": answers([1] * 40)},
+                   cache_hit=True)
+    out = ta.compare(plan, {"small": answers([0] + [1] * 9), "big": answers([1] * 40)})
+    assert out["tasks_acc_diff_mean"] == pytest.approx(-0.05)
+    assert out["tasks_acc_diff_pooled"] == pytest.approx(-0.02)
+    line = summary_line(Result(status="OK", config={}, metrics=out, run_name="r"))
+    assert "mean of tasks -0.050 vs reference; pooled -0.020 ± 0.020, 1 right->wrong, 0 wrong->right, McNemar p 1" \
+        in line
 
 
 def test_a_run_logs_task_accuracy_paired_with_a_cached_reference(compose, cache, results_overrides):

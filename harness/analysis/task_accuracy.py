@@ -18,8 +18,9 @@ reference, same examples) with its paired stderr `_<m>_diff_stderr`, `_<m>_right
 `_<m>_wrong_to_right` (the flips) and `_<m>_mcnemar_p`, McNemar's exact test on those flips (statsmodels): the
 probability of at least this lopsided a split of the changed answers if the quantizer changed none on
 purpose. Unpaired tests on paired data (lm-eval's own model comparison) lose most of this power. Over all
-tasks: `tasks_<m>_mean`, `_ref_mean`, `_diff_mean` (averages over tasks), the summed flips and the pooled
-McNemar p, and `tasks_examples`.
+tasks: `tasks_<m>_mean`, `_ref_mean`, `_diff_mean` (unweighted averages over tasks), the summed flips, the pooled
+McNemar p and `tasks_<m>_diff_pooled` (+ `_se`), the difference over all examples those flips give, and
+`tasks_examples`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.analysis import intervals
 from harness.analysis import tasks as T
 from harness.cache import cache_root
 from harness.errors import QuantbenchError
@@ -268,6 +270,11 @@ def compare(plan: Plan, got: dict[str, Answers]) -> dict[str, float]:
         for flip in ("right_to_wrong", "wrong_to_right"):
             out[f"tasks_{m}_{flip}"] = sum(out[f"task_{n}_{m}_{flip}"] for n in names)
         out[f"tasks_{m}_mcnemar_p"] = mcnemar_p(int(out[f"tasks_{m}_right_to_wrong"]), int(out[f"tasks_{m}_wrong_to_right"]))
+        # the difference the pooled flips and McNemar p describe (the frontier's): every example weighs the same
+        diff, se = intervals.pooled_paired(out[f"tasks_{m}_right_to_wrong"], out[f"tasks_{m}_wrong_to_right"],
+                                           out["tasks_examples"])
+        if math.isfinite(diff):
+            out[f"tasks_{m}_diff_pooled"], out[f"tasks_{m}_diff_pooled_se"] = diff, se
     return out
 
 

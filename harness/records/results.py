@@ -181,7 +181,9 @@ def summary_line(result: Result) -> str:
     if "kl_div_mean" in m:
         parts.append(f"KL {m['kl_div_mean']:.4f} top1 {m['top1_agreement']:.3f}")
     if "tasks_acc_mean" in m:  # harness/analysis/task_accuracy.py: per-task lines were logged as the tasks finished
-        parts.append(f"task acc {m['tasks_acc_mean']:.3f} ({m['tasks_acc_diff_mean']:+.3f} vs reference, "
-                     f"{m['tasks_acc_right_to_wrong']:.0f} right->wrong, {m['tasks_acc_wrong_to_right']:.0f} "
-                     f"wrong->right, McNemar p {m['tasks_acc_mcnemar_p']:.3g})")
+        pooled = (f"pooled {m['tasks_acc_diff_pooled']:+.3f} ± {m['tasks_acc_diff_pooled_se']:.3f}, "
+                  if "tasks_acc_diff_pooled" in m else "")  # the difference the flips and McNemar p are about
+        parts.append(f"task acc {m['tasks_acc_mean']:.3f} (mean of tasks {m['tasks_acc_diff_mean']:+.3f} vs "
+                     f"reference; {pooled}{m['tasks_acc_right_to_wrong']:.0f} right->wrong, "
+                     f"{m['tasks_acc_wrong_to_right']:.0f} wrong->right, McNemar p {m['tasks_acc_mcnemar_p']:.3g})")
     return f"[OK] {result.run_name}: " + ", ".join(parts)
