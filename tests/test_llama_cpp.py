@@ -3,6 +3,7 @@ through scripts/setup.sh --all), a real run and the perplexity truth check again
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,20 @@ def test_missing_extra_fails_in_preflight_with_install_hint(compose, results_ove
     assert res.status == "FAILED"
     assert "pip install llama-cpp-python" in res.error and "scripts/setup.sh --all" in res.error
     assert "load_s" not in res.metrics  # failed before anything was loaded
+
+
+def test_kl_is_tagged_unsupported_and_warned_not_dropped_silently(compose, caplog):
+    """accuracy.kl=true is the default, and llama.cpp records no KL or top-1: the run says so."""
+    from harness.models import byte_tokenizer
+
+    exp = _build(compose, ["engine=llama_cpp", "accuracy.max_tokens=300"])
+    assert exp.accuracy.kl
+    with caplog.at_level(logging.WARNING, logger="quantbench"):
+        record = exp.engine.open(exp, "cpu", 1).references(byte_tokenizer())  # before the model loads
+    assert record == ({}, {"accuracy.kl": "unsupported (engine=llama_cpp)"})
+    assert "engine=llama_cpp records perplexity only, no KL divergence or top-1 agreement" in caplog.text
+    off = _build(compose, ["engine=llama_cpp", "accuracy.max_tokens=300", "accuracy.kl=false"])
+    assert off.engine.open(off, "cpu", 1).references(byte_tokenizer()) == ({}, {})
 
 
 @needs_extra

@@ -206,9 +206,16 @@ class LlamaCppSession(Session):
         self.depth = 0
 
     def references(self, tokenizer: Any) -> Record:
-        if self.exp.accuracy.enabled:
-            accuracy.scored_ids(tokenizer, self.exp.accuracy)  # a corpus with no token to score: refused now
-        return {}, {}
+        cfg = self.exp.accuracy
+        if not cfg.enabled:
+            return {}, {}
+        accuracy.scored_ids(tokenizer, cfg)  # a corpus with no token to score: refused now
+        if not cfg.kl:
+            return {}, {}
+        # no reference record is compared with llama.cpp's logits: say so, on the run too, rather than drop them
+        log.warning("accuracy: engine=llama_cpp records perplexity only, no KL divergence or top-1 agreement "
+                    "(accuracy.kl=true is ignored; accuracy.kl=false silences this)")
+        return {}, {"accuracy.kl": "unsupported (engine=llama_cpp)"}
 
     def load(self, tokenizer: Any, workload: Any, log_file: Path) -> Record:
         import llama_cpp  # optional extra (checked in preflight)
