@@ -33,42 +33,49 @@ def _read(path: str, size: int, mtime_ns: int) -> Any:
     return GGUFReader(path)
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _unpack(fh: Any, fmt: str) -> Any:
+    return struct.unpack(fmt, fh.read(struct.calcsize(fmt)))[0]
+
+
+def _string(fh: Any) -> str:
+    return fh.read(_unpack(fh, "<Q")).decode("utf-8", "replace")
+
+
+def _value(fh: Any, kind: int) -> Any:
+    """A metadata value; arrays are skipped (None): the vocabulary is one, and nothing here needs it."""
+    if kind == 8:
+        return _string(fh)
+    if kind == 9:
+        sub, count = _unpack(fh, "<I"), _unpack(fh, "<Q")
+        if sub in _SCALARS:  # skip fixed-size arrays in one seek
+            fh.seek(struct.calcsize(_SCALARS[sub]) * count, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _value(fh, sub)
+        return None
+    return _unpack(fh, _SCALARS[kind])
+
+
+def _counts(fh: Any) -> tuple[int, int] | None:
+    """(tensors, metadata keys) after the magic and version, or None for a file that is not GGUF."""
+    if fh.read(4) != b"GGUF":
+        return None
+    count_fmt = "<Q" if _unpack(fh, "<I") >= 2 else "<I"
+    return _unpack(fh, count_fmt), _unpack(fh, count_fmt)
+
+
 def gguf_context_length(path: str | Path) -> int | None:
     """`<arch>.context_length` from a GGUF header, reading only the metadata (milliseconds; not the tensors)."""
-    scalars = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-               12: "<d"}
-
     with open(path, "rb") as fh:
-        def read(fmt: str) -> Any:
-            size = struct.calcsize(fmt)
-            return struct.unpack(fmt, fh.read(size))[0]
-
-        def string() -> str:
-            return fh.read(read("<Q")).decode("utf-8", "replace")
-
-        def value(kind: int) -> Any:
-            if kind == 8:
-                return string()
-            if kind == 9:
-                sub, count = read("<I"), read("<Q")
-                if sub in scalars:  # skip fixed-size arrays in one seek
-                    fh.seek(struct.calcsize(scalars[sub]) * count, os.SEEK_CUR)
-                else:
-                    for _ in range(count):
-                        value(sub)
-                return None
-            return read(scalars[kind])
-
-        if fh.read(4) != b"GGUF":
+        if (counts := _counts(fh)) is None:
             return None
-        version = read("<I")
-        count_fmt = "<Q" if version >= 2 else "<I"
-        read(count_fmt)  # tensors
-        n_kv = read(count_fmt)
         arch, found = None, {}
-        for _ in range(n_kv):
-            key = string()
-            val = value(read("<I"))
+        for _ in range(counts[1]):
+            key = _string(fh)
+            val = _value(fh, _unpack(fh, "<I"))
             if key == "general.architecture":
                 arch = val
             elif key.endswith(".context_length"):
@@ -76,3 +83,29 @@ def gguf_context_length(path: str | Path) -> int | None:
             if arch and f"{arch}.context_length" in found:
                 return int(found[f"{arch}.context_length"])
     return None
+
+
+def matrix_types(path: str | Path) -> list[str]:
+    """The ggml types of the file's 2-D tensors (its weight matrices), most elements first: ["Q4_1", "Q8_0"] for
+    SmolLM2's shipped GGUF (blocks Q4_1, token embedding Q8_0). Read from the header's tensor list alone."""
+    elements: dict[int, int] = {}
+    with open(path, "rb") as fh:
+        if (counts := _counts(fh)) is None:
+            return []
+        for _ in range(counts[1]):
+            _string(fh)
+            _value(fh, _unpack(fh, "<I"))
+        for _ in range(counts[0]):
+            _string(fh)
+            dims = [_unpack(fh, "<Q") for _ in range(_unpack(fh, "<I"))]
+            kind = _unpack(fh, "<I")
+            _unpack(fh, "<Q")  # the data offset
+            if len(dims) == 2:
+                elements[kind] = elements.get(kind, 0) + dims[0] * dims[1]
+    try:
+        from gguf import GGMLQuantizationType  # the type names (optional: installed with GGUF support)
+
+        names = {t.value: t.name for t in GGMLQuantizationType}
+    except ImportError:
+        names = {}
+    return [names.get(k, f"type{k}") for k in sorted(elements, key=lambda k: -elements[k])]

@@ -248,6 +248,24 @@ def test_a_corpus_leaving_no_token_to_score_is_one_line(compose, tmp_path):
         exp.engine.open(exp, "cpu", 1).references(load_tokenizer(exp.model))
 
 
+def test_runs_tag_what_the_unquantized_reference_is_stored_as(compose, cache, tmp_path):
+    """The default model's "unquantized" reference is its Q4_1 GGUF dequantized: every KL is a distance from a
+    Q4_1 model, and the run says so (tag reference.source)."""
+    from safetensors.torch import save_file
+
+    from harness.models import EmbeddedGGUF, HFModel, load_tokenizer
+
+    assert EmbeddedGGUF().reference_source() == "gguf:Q4_1+Q8_0"  # blocks Q4_1, token embedding Q8_0
+    save_file({"a": torch.zeros(4, 4, dtype=torch.bfloat16), "b": torch.zeros(2, dtype=torch.float32)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "gptq"}}')
+    (tmp_path / "tokenizer.json").write_text("{}")  # only its presence is checked here
+    assert HFModel(name_or_path=str(tmp_path)).reference_source() == "hf:BF16+F32 (gptq)"
+    exp = build(compose([*FAST, f"accuracy.kl_top_k={K}"]))
+    metrics, tags = exp.engine.open(exp, "cpu", 1).references(load_tokenizer(exp.model))
+    assert tags["reference.source"] == "random" and "reference_perplexity" in metrics
+
+
 def test_kl_reference_must_be_exact_or_topk(compose):
     with pytest.raises(ConfigError, match="accuracy.kl_reference='full' is not allowed; choose one of: exact, topk"):
         build(compose([*FAST, "accuracy.kl_reference=full"]))

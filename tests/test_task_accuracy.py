@@ -189,6 +189,7 @@ def test_a_run_logs_task_accuracy_paired_with_a_cached_reference(compose, cache,
     again = runner.run(compose([*overrides, "quantizer=fp32", "accuracy.kl=false"]))  # the reference: nothing flips
     assert again.status == "OK", again.error
     assert again.tags["tasks.reference_cache"] == "hit"
+    assert tags["reference.source"] == again.tags["reference.source"] == "random"  # KL's and the tasks' reference
     assert again.metrics["tasks_acc_right_to_wrong"] == again.metrics["tasks_acc_wrong_to_right"] == 0
     assert again.metrics["tasks_acc_mcnemar_p"] == 1.0 and again.metrics["task_toy_acc_diff"] == 0.0
 

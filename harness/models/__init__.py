@@ -30,7 +30,7 @@ from tokenizers import models as tok_models
 from harness import gguf_meta
 from harness.cache import atomic_dir, cache_root, file_key, short_hash
 from harness.errors import ConfigError, QuantbenchError, one_of
-from harness.models import hub
+from harness.models import hub, provenance
 from harness.schema import DTYPES
 
 
@@ -91,6 +91,10 @@ class ModelSource:
         """Tags of this source recorded on every run (e.g. model.arch, weights=random)."""
         return {}
 
+    def reference_source(self) -> str:
+        """What the weights the reference loads are stored as: tag `reference.source` (harness/models/provenance.py)."""
+        return "unknown"
+
 
 def _convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF into a cached safetensors directory (see module docstring)."""
@@ -150,6 +154,9 @@ class GGUFFile(ModelSource):
         self.preflight()
         return _convert_gguf(Path(self.path))
 
+    def reference_source(self) -> str:
+        return provenance.gguf(self.path)
+
     @property
     def gguf_path(self) -> Path | None:
         return Path(self.path)
@@ -189,6 +196,9 @@ class EmbeddedGGUF(ModelSource):
 
     def local_dir(self) -> Path:
         return _convert_gguf(self._path())
+
+    def reference_source(self) -> str:
+        return provenance.gguf(self._path())
 
     @property
     def gguf_path(self) -> Path | None:
@@ -258,6 +268,9 @@ class HFModel(ModelSource):
                                   f"({type(exc).__name__}); download it where the hub is reachable and pass "
                                   "the local directory") from exc
 
+    def reference_source(self) -> str:
+        return provenance.hf(self.local_dir())
+
 
 def byte_tokenizer():
     """A real HF fast tokenizer over raw bytes (259 ids), built in-process for the tiny model."""
@@ -316,6 +329,9 @@ class TinyRandom(ModelSource):
         import transformers
 
         return {"tiny": self.hf_config().to_dict(), "seed": self.seed, "transformers": transformers.__version__}
+
+    def reference_source(self) -> str:
+        return "random"
 
     def build(self):
         """The model in memory, float32, deterministic."""

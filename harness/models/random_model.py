@@ -153,6 +153,9 @@ class RandomModel(ModelSource):
     def tags(self) -> dict[str, str]:
         return {"model.arch": self.arch or str(self.config_path), "weights": "random", "model.seed": str(self.seed)}
 
+    def reference_source(self) -> str:
+        return "random"
+
     def hf_config(self):
         from transformers import AutoConfig
 

@@ -78,7 +78,7 @@ class TransformersSession(Session):
         self.reference, hit = accuracy.ensure_reference(self.exp.model, tokenizer, cfg, self.device)
         gc.collect()
         return ({"reference_perplexity": float(self.reference["perplexity"][0])},
-                {"reference_cache": "hit" if hit else "miss"})
+                {"reference_cache": "hit" if hit else "miss", "reference.source": self.exp.model.reference_source()})
 
     def load(self, tokenizer: Any, workload: Any, log_file: Path) -> Record:
         exp, self.tokenizer = self.exp, tokenizer

@@ -133,6 +133,8 @@ class Pipeline:
             with third_party_output(self.log_file):
                 self.task_plan = task_accuracy.prepare(exp.model, tokenizer, exp.accuracy, self.device)
             gc.collect()
+            # "unquantized" is the stored weights: a GGUF's own quantization (the default model's Q4_1) included
+            self.tags.setdefault("reference.source", exp.model.reference_source())
         self.tags["peak_mem_reset"] = str(measure.reset_peak_memory(self.device))
         self._add(self.session.load(tokenizer, wl, self.log_file))
         self.opts = DecodeOptions(device=self.device, max_new_tokens=wl.max_new_tokens,
