@@ -98,8 +98,9 @@ def spans(n_tokens: int, cfg: AccuracyConfig) -> list[tuple[int, int, int]]:
     """`windows` of `cfg` over `n_tokens`; one line, not a division by zero, when they score no token."""
     out = windows(n_tokens, cfg.context_length, cfg.stride, cfg.scoring)
     if not out:
+        why = " (each chunk's first half is context only)" if cfg.scoring == "second_half" else ""
         raise QuantbenchError(f"accuracy.corpus={cfg.corpus!r}: its {n_tokens} tokens leave none to score with "
-                              f"accuracy.scoring={cfg.scoring} (a window's first half is context); give a longer text")
+                              f"accuracy.scoring={cfg.scoring}{why}; give a longer text")
     return out
 
 
