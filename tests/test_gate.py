@@ -222,13 +222,21 @@ def test_sides_alternate_in_abba_groups():
 
 def test_a_look_at_few_blocks_never_decides():
     # a 25% slowdown is plain to see, but 8 or 16 pairs are too few for a trustworthy bootstrap bound
-    few = fake_gate(1, 0.25, max_pairs=16, min_pairs=8)
-    assert few.verdict == "undecided" and [lk.pairs for lk in few.looks] == [8, 16]
-    assert all(lk.decision == "undecided" for lk in few.looks)
+    few = fake_gate(1, 0.25, min_pairs=8)
+    assert [lk.pairs for lk in few.looks] == [8, 16, 32] and few.verdict == "regression"
+    assert [lk.decision for lk in few.looks[:2]] == ["undecided", "undecided"]
     budget = fake_gate(1, 0.25, budget_s=0.3, min_pairs=8)  # the budget ends after a few groups
     assert budget.pairs < interleave.MIN_DECIDE_PAIRS and budget.verdict == "undecided"
     assert "fewer than the 32 a decision needs" in budget.stop
     assert fake_gate(1, 0.25, min_pairs=32).verdict == "regression"  # from 32 pairs on it decides
+
+
+@pytest.mark.parametrize("max_blocks", [8, 16, 30])
+def test_a_plan_whose_looks_can_never_decide_is_refused(max_blocks):
+    # below 32 blocks every look is "undecided" (a pass): such a gate could never fail, so refuse it
+    with pytest.raises(GateError, match=f"--max-blocks {max_blocks}: at least 32, the fewest blocks a decision"):
+        GateOptions(baseline=[], candidate=[], min_blocks=8, max_blocks=max_blocks)
+    assert not interleave.Plan(min_pairs=8, max_pairs=32).problems()
 
 
 def test_options_are_validated_before_any_work():

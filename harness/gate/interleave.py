@@ -51,7 +51,9 @@ class Plan:
             p.append(f"--block-steps {self.block_steps}: at least 1 decode token per block")
         if self.min_pairs < MIN_BUDGET_PAIRS or self.min_pairs % 2:
             p.append(f"--min-blocks {self.min_pairs}: give an even number >= {MIN_BUDGET_PAIRS} (whole A B B A groups)")
-        if self.max_pairs < self.min_pairs:
+        if self.max_pairs < MIN_DECIDE_PAIRS:  # every look would be "undecided": a gate that cannot fail
+            p.append(f"--max-blocks {self.max_pairs}: at least {MIN_DECIDE_PAIRS}, the fewest blocks a decision needs")
+        elif self.max_pairs < self.min_pairs:
             p.append(f"--max-blocks {self.max_pairs}: must be >= --min-blocks {self.min_pairs}")
         if not self.budget_s > 0:
             p.append(f"--budget {self.budget_s}: give seconds > 0")
