@@ -61,6 +61,8 @@ SERVING_SWEEP_GATE: list[Metric] = [
     Metric("candidate_cv_classic", "ratio", _L, "gate", "std / mean of the candidate's block tokens/s"),
     Metric("speed_lag1", "ratio", _N, "gate", "lag-1 autocorrelation of the pair log ratios"),
     Metric("speed_order_effect", "ratio", _N, "gate", "AB - BA pairs: what the A B B A order cancels"),
+    Metric("speed_change_totals", "ratio", _H, "gate",
+           "total tokens / total time, candidate over baseline, - 1 (untrimmed; vetoes no regression)"),
     Metric("candidate_perplexity", "ppl", _L, "gate", "the candidate's perplexity"),
     Metric("candidate_kl_div_mean", "nats", _L, "gate", "the candidate's mean KL divergence"),
     Metric("candidate_top1_agreement", "ratio", _H, "gate", "the candidate's top-1 agreement"),

@@ -94,19 +94,23 @@ def measure_sequential(base: Any, cand: Any, plan: Plan, clock: Callable[[], flo
         side.block(k)
     a: list[float] = []
     b: list[float] = []
+    tokens: list[list[int]] = [[], []]  # decode tokens of each block, baseline and candidate
     looks: list[stats.Look] = []
     nxt = 0
     t0 = clock()
     while True:
-        tps = [block_tps(side.block(k), label) for side, label in order]
+        replies = [side.block(k) for side, _ in order]
+        tps = [block_tps(r, label) for r, (_, label) in zip(replies, order, strict=True)]
         a += [tps[0], tps[3]]
         b += [tps[1], tps[2]]
+        tokens[0] += [replies[0]["decode_tokens"], replies[3]["decode_tokens"]]
+        tokens[1] += [replies[1]["decode_tokens"], replies[2]["decode_tokens"]]
         spent = clock() - t0
         over = spent >= plan.budget_s and len(a) >= MIN_BUDGET_PAIRS
         if len(a) < sizes[nxt] and not over:
             continue
         lk = stats.look(stats.log_ratios(a, b), plan.threshold, alpha, plan.resamples, plan.seed + len(looks),
-                        plan.trim)
+                        plan.trim, stats.totals_log_ratio(a, b, *tokens))
         few = lk.pairs < MIN_DECIDE_PAIRS
         if few:
             lk.decision = stats.UNDECIDED
@@ -120,11 +124,20 @@ def measure_sequential(base: Any, cand: Any, plan: Plan, clock: Callable[[], flo
         elif over:
             stop = (f"time budget of {plan.budget_s:g} s spent; still undecided (a pass that says so)"
                     + (f"; {lk.pairs} blocks per side, fewer than the {MIN_DECIDE_PAIRS} a decision needs" if few
-                       else ""))
+                       else _vetoed(lk, plan.threshold)))
         elif nxt == len(sizes) - 1:
-            stop = f"--max-blocks {plan.max_pairs} reached; still undecided (a pass that says so)"
+            stop = (f"--max-blocks {plan.max_pairs} reached; still undecided (a pass that says so)"
+                    + _vetoed(lk, plan.threshold))
         else:
             nxt += 1
             continue
         return a, b, stats.summarize(a, b, looks, threshold=plan.threshold, confidence=plan.confidence, stop=stop,
                                      planned_looks=len(sizes), block_steps=k, seconds=clock() - t0)
+
+
+def _vetoed(lk: stats.Look, threshold: float) -> str:
+    """Why a look whose lower bound clears the threshold is still undecided (stats.decide), or ''."""
+    if lk.low > math.log(1.0 - threshold) and lk.decision == stats.UNDECIDED:
+        return (f"; the trimmed estimate clears -{threshold:.0%} but total tokens / total time changed "
+                f"{math.expm1(lk.totals):+.1%}: a slowdown in some blocks only (one prompt, periodic stalls)")
+    return ""

@@ -95,7 +95,7 @@ def speed_metrics(s: Any) -> dict[str, float]:
             f"baseline_{SPEED}": s.baseline_tps, f"candidate_{SPEED}": s.candidate_tps,
             "speed_cv_ratio": s.cv_ratio, "baseline_cv": s.cv_baseline, "candidate_cv": s.cv_candidate,
             "baseline_cv_classic": s.cv_baseline_classic, "candidate_cv_classic": s.cv_candidate_classic,
-            "speed_lag1": s.lag1, "speed_order_effect": s.order_effect}
+            "speed_lag1": s.lag1, "speed_order_effect": s.order_effect, "speed_change_totals": s.change_totals}
 
 
 def record(res: Any, opts: Any, markdown: str) -> str:
