@@ -30,6 +30,10 @@ def _build(compose, overrides):
     (["model=tiny_random"], "needs a GGUF model"),
     (["engine.format=Q3_K"], "engine.format='Q3_K' is not allowed; choose one of: gguf"),
     (["measure.cache=static"], "apply to engine=transformers only"),
+    (["measure.path=eager"], "engine=llama_cpp: measure.path=eager applies to engine=transformers only"),
+    (["measure.gemv=aten"], "engine=llama_cpp: measure.gemv=aten applies to engine=transformers only"),
+    (["measure.hugepages=on"], "engine=llama_cpp: measure.hugepages=on applies to engine=transformers only"),
+    (["engine.flash_attn=maybe"], "engine.flash_attn='maybe' must be true or false"),
 ])
 def test_config_errors_are_one_clear_line(compose, overrides, message):
     with pytest.raises(QuantbenchError, match=message.replace("(", r"\(").replace("?", r"\?")):
@@ -116,6 +120,53 @@ def test_llama_cpp_run_measures_the_same_metrics(compose, results_overrides):
         llm.close()
     assert res.samples[0]["tokens"] == ref
     assert len(set(ref)) > 3  # not a degenerate token-0 stream
+
+
+def test_batches_hold_a_perplexity_window_and_keep_the_ubatch_the_user_set(compose):
+    """n_batch grows to one accuracy window (one decode), n_ubatch stays engine.n_batch (llama_decode splits)."""
+    on = _build(compose, ["engine=llama_cpp", "engine.n_batch=64", "accuracy.context_length=256", "accuracy.stride=256"])
+    assert on.accuracy.enabled and on.engine.batches(on) == (256, 64)
+    off = _build(compose, ["engine=llama_cpp", "engine.n_batch=64", "accuracy.enabled=false"])
+    assert off.engine.batches(off) == (64, 64)
+
+
+def test_system_info_is_trimmed_to_the_features_set():
+    raw = b"CPU : SSE3 = 1 | AVX = 1 | AVX512 = 0 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+    assert lc.system_info(raw) == "CPU: SSE3 AVX LLAMAFILE OPENMP REPACK"
+
+
+def test_inject_work_and_slowdown_act_through_injected_step(monkeypatch):
+    """measure.inject_work / inject_slowdown stretch llama.cpp's steps as strategies/decode.py's (strategies/inject.py)."""
+    import numpy as np
+
+    from strategies.base import DecodeOptions
+
+    class StubLlm:
+        n_tokens = 0
+
+        def reset(self):
+            self.n_tokens = 0
+
+        def eval(self, toks):
+            pass
+
+    calls = []
+
+    def spy(opts, t, dt):
+        calls.append((opts.inject_work, opts.inject_slowdown))
+        return dt + 1.0
+
+    monkeypatch.setattr(lc, "injected_step", spy)
+    s = lc.LlamaCppSession.__new__(lc.LlamaCppSession)
+    s.llm, s.depth, s.n_vocab = StubLlm(), 0, 8
+    s._logits_last = lambda: np.arange(8.0)
+    for kw in ({"inject_work": 0.5}, {"inject_slowdown": 0.25}):
+        calls.clear()
+        opts = DecodeOptions(device="cpu", max_new_tokens=5, eos_token_id=2, pad_token_id=2, **kw)
+        g = s.generate([[1, 2, 3]], opts)
+        assert len(calls) == 4 and all(dt >= 1.0 for dt in g.step_s)
+    plain = s.generate([[1, 2, 3]], DecodeOptions(device="cpu", max_new_tokens=5, eos_token_id=2, pad_token_id=2))
+    assert all(dt < 1.0 for dt in plain.step_s)
 
 
 def write_tiny_gguf(path: Path, tiny) -> None:

@@ -140,6 +140,36 @@ def test_llama_cpp_runs_the_same_weights_from_its_own_gguf(compose, results_over
 
 
 @needs_llama
+def test_llama_cpp_same_format_is_no_conversion_and_the_build_is_tagged(compose, results_overrides, tmp_path,
+                                                                        monkeypatch):
+    """engine.format equal to the file's own type runs the file itself: no quantize_s, a cache hit once it exists.
+    The run records the llama.cpp it used: version, CPU features, batch sizes, attention path (as passed to it)."""
+    import llama_cpp
+
+    seen: list[dict] = []
+    original = llama_cpp.Llama.__init__
+
+    def init(self, *a, **k):
+        seen.append(k)
+        original(self, *a, **k)
+
+    monkeypatch.setattr(llama_cpp.Llama, "__init__", init)
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    cfg = ["model=random", "model.arch=tiny", "engine=llama_cpp", "engine.format=BF16", "engine.n_batch=64",
+           "measure.device=cpu", *QUICK, *results_overrides]
+    first = runner.run(compose(cfg))
+    assert first.status == "OK", first.error
+    assert first.tags["gguf_cache"] == "miss" and first.metrics["gguf_write_s"] > 0  # the source file was written
+    assert "quantize_s" not in first.metrics  # ... but not converted: it is BF16 already
+    again = runner.run(compose(cfg))
+    assert again.tags["gguf_cache"] == "hit" and "quantize_s" not in again.metrics
+    assert (seen[0]["n_batch"], seen[0]["n_ubatch"], seen[0]["flash_attn"]) == (64, 64, False)
+    tags = again.tags
+    assert (tags["llama.n_batch"], tags["llama.n_ubatch"], tags["llama.flash_attn"]) == ("64", "64", "false")
+    assert tags["llama.version"] == llama_cpp.__version__ and tags["llama.system_info"].startswith("CPU:")
+
+
+@needs_llama
 @pytest.mark.parametrize("arch", ["tiny", "tiny-qwen2"])
 def test_llama_cpp_logits_match_transformers(arch, tmp_path, monkeypatch):
     """The GGUF writer is right (names, q/k permutation, norms, rope_freqs, biases, tied head): llama.cpp's F32
@@ -151,11 +181,14 @@ def test_llama_cpp_logits_match_transformers(arch, tmp_path, monkeypatch):
 
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
     src = RandomModel(arch=arch, dtype="float32")
-    ids = [5, 17, 300, 42, 7, 99, 123, 400]
+    # 300 seeded ids: at 8 positions a GGUF without rope_freqs still matches (the factors act on long wavelengths);
+    # at 300 it is off by ~1e-2 of the logits' range (5x the tolerance), a right export by <= 1.8e-4
+    ids = np.random.default_rng(1).integers(3, 500, 300).tolist()
     with torch.no_grad():
         ref = src.build("float32")(torch.tensor([ids])).logits[0].numpy()
     f32 = convert(src.make_gguf(), "F32", 2)
-    llm = llama_cpp.Llama(model_path=str(f32), n_ctx=32, n_batch=32, logits_all=True, verbose=False, n_threads=2)
+    llm = llama_cpp.Llama(model_path=str(f32), n_ctx=512, n_batch=512, n_ubatch=512, logits_all=True, verbose=False,
+                          n_threads=2)
     try:
         llm.eval(ids)
         got = np.array(llm.scores[: len(ids)])

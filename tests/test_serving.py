@@ -278,6 +278,28 @@ def test_workload_prompts_reach_llama_server_with_cache_prompt_off(compose, tmp_
     assert [c["metrics"]["requests_ok"] for c in result.children] == [2, 2]
 
 
+def test_llama_server_gets_the_engines_batch_and_attention_path_and_the_run_tags_them(compose, tmp_path, monkeypatch):
+    """engine.n_batch and engine.flash_attn reach llama-server as in-process (-b/-ub, explicit -fa: its default is
+    'auto'), and the run records them with the server's build."""
+    commands: list[list[str]] = []
+    original = LlamaServer.start
+
+    def start(self, *a, **k):
+        commands.append(self.command())
+        original(self, *a, **k)
+
+    monkeypatch.setattr(LlamaServer, "start", start)
+    result = runner.run(compose([*TINY_SERVER, "engine.n_batch=64", "engine.flash_attn=true", "load.rates=[40]",
+                                 "load.requests=2", f"tracking.results_dir={tmp_path}"]))
+    assert result.status == "OK", result.error
+    (cmd,) = commands
+    flags = {cmd[i]: cmd[i + 1] for i in range(1, len(cmd) - 1) if cmd[i].startswith("-")}
+    assert (flags["-b"], flags["-ub"], flags["-fa"]) == ("64", "64", "on")
+    tags = result.tags
+    assert (tags["llama.n_batch"], tags["llama.n_ubatch"], tags["llama.flash_attn"]) == ("64", "64", "true")
+    assert tags["llama.server_version"] not in ("", "?")
+
+
 def test_a_server_that_dies_mid_run_fails_the_run_in_one_line_and_keeps_what_was_answered(compose, tmp_path,
                                                                                          monkeypatch):
     original = LoadRun.point

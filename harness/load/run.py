@@ -35,7 +35,7 @@ from harness.load import lengths
 from harness.load.driver import Request, TargetDied, drive, schedule
 from harness.load.http import HttpTarget
 from harness.load.inprocess import InProcessTarget
-from harness.load.server import LlamaServer, binary
+from harness.load.server import LlamaServer, binary, version
 from harness.load.stats import CLOSED, QUANTILES, above_knee, capacity, summarize, sweep_rates
 from harness.measure import memory, workloads
 from harness.models import load_tokenizer
@@ -140,8 +140,12 @@ class LoadRun:
                 gguf = convert(src, exp.engine.format, threads)
             self.tags.update({"engine.format": exp.engine.format, "kernel_path": f"llama.cpp[{gguf.name}]"})
             self.metrics.update({"weight_bytes": shape_from_gguf(gguf).weight_bytes, "bits_per_weight": linear_bits(gguf)})
-            self.server = LlamaServer(gguf, threads=threads, parallel=cfg.parallel,
-                                      ctx_per_slot=-(-(max_len + 16) // 256) * 256, log_file=self.log_file)
+            eng = exp.engine  # the in-process engine's settings, alike for the server (harness/run/llama_cpp.py)
+            self.server = LlamaServer(gguf, threads=threads, parallel=cfg.parallel, batch=eng.n_batch,
+                                      flash_attn=eng.flash_attn, ctx_per_slot=-(-(max_len + 16) // 256) * 256,
+                                      log_file=self.log_file)
+            self.tags.update({"llama.n_batch": str(eng.n_batch), "llama.n_ubatch": str(eng.n_batch),
+                              "llama.flash_attn": str(eng.flash_attn).lower(), "llama.server_version": version()})
             t0 = measure.now()
             self.server.start()
             self.metrics["load_s"] = measure.now() - t0

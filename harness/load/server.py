@@ -40,6 +40,16 @@ def binary() -> Path:
     return path
 
 
+def version() -> str:
+    """The build that runs, from `llama-server --version` ('0.5.0-dev (build 1, commit 0c1e570)'); '?' if unsaid."""
+    try:
+        out = subprocess.run([str(binary()), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    lines = [ln.split(":", 1)[1].strip() for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("version:")]
+    return lines[0] if lines else "?"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,8 +65,8 @@ class LlamaServer:
     """One llama-server process (module docstring). `start()` returns once `/health` answers 200."""
 
     def __init__(self, gguf: Path, *, threads: int, parallel: int, ctx_per_slot: int, log_file: Path,
-                 batch: int = 512):
-        self.gguf, self.threads, self.parallel = gguf, threads, parallel
+                 batch: int = 512, flash_attn: bool = False):
+        self.gguf, self.threads, self.parallel, self.flash_attn = gguf, threads, parallel, flash_attn
         self.ctx = ctx_per_slot * parallel  # llama-server splits -c evenly over its slots
         self.batch, self.log_file = batch, log_file
         self.port = 0
@@ -71,6 +81,7 @@ class LlamaServer:
         return [str(binary()), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
                 "--parallel", str(self.parallel), "-c", str(self.ctx), "-t", str(self.threads),
                 "-tb", str(self.threads), "-b", str(self.batch), "-ub", str(self.batch), "--cont-batching",
+                "-fa", "on" if self.flash_attn else "off",  # explicit: its default 'auto' differs from in-process
                 "--no-webui", "--no-warmup"]
 
     def start(self, timeout_s: float = 180.0) -> None:

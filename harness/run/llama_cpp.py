@@ -28,7 +28,6 @@ import gc
 import importlib.util
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from harness.measure.one_row import gemv_choice, sixteen_choice
 from harness.measure.workloads import encode_prompts  # noqa: F401 - re-exported (tests)
 from harness.run import llama_cpp_lm
 from harness.run.hooks import Record, Session
+from strategies.inject import injected_step
 
 log = logging.getLogger("quantbench")
 
@@ -53,6 +53,8 @@ log = logging.getLogger("quantbench")
 FORMATS = {"gguf": None, "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
 # stored bytes per weight of each format's matrices (ggml block sizes: Q8_0 34 B, Q4_0 18 B, Q4_1 20 B per 32)
 BYTES_PER_WEIGHT = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}
+# measure settings only engine=transformers reads, at their defaults (harness/config.py): others are refused
+TRANSFORMERS_ONLY = {"path": "best", "gemv": "auto", "hugepages": "off"}
 INSTALL_HINT = ("engine=llama_cpp needs llama-cpp-python, which is not installed; install the extra with "
                 "`scripts/setup.sh --all` (compiles llama.cpp, ~5 min on 2 cores) or "
                 "`CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python==0.3.36`; or use engine=transformers")
@@ -121,12 +123,15 @@ class LlamaCppEngine:
     format: str = "gguf"  # gguf (as shipped) | F32 | BF16 | F16 | Q8_0 | Q4_0 | Q4_1 | auto16 (BF16 or F16 as quantizer=auto16)
     n_batch: int = 512  # llama.cpp logical batch for prompt processing
     kv_type: str = "f16"  # llama.cpp's default KV cache type (2 bytes per element; roofline counts it)
+    flash_attn: bool = False  # llama.cpp's flash attention, set alike in-process and for llama-server (-fa on|off)
 
     def __post_init__(self) -> None:
         problems = [e for e in (one_of("engine.format", self.format, [*FORMATS, "auto16"]),
                                 one_of("engine.kv_type", self.kv_type, ("f16",))) if e]
         if not isinstance(self.n_batch, int) or self.n_batch <= 0:
             problems.append(f"engine.n_batch={self.n_batch!r} must be > 0")
+        if not isinstance(self.flash_attn, bool):
+            problems.append(f"engine.flash_attn={self.flash_attn!r} must be true or false")
         if problems:
             raise ConfigError(problems)
 
@@ -160,6 +165,10 @@ class LlamaCppEngine:
         if measure is not None and (measure.compile is True or measure.cache == "static"):
             raise QuantbenchError("engine=llama_cpp has its own kernels and KV cache: measure.compile and "
                                   "measure.cache=static apply to engine=transformers only")
+        if measure is not None and (odd := [f"measure.{k}={getattr(measure, k)}" for k, v in TRANSFORMERS_ONLY.items()
+                                            if getattr(measure, k, v) != v]):
+            raise QuantbenchError(f"engine=llama_cpp: {', '.join(odd)} applies to engine=transformers only; "
+                                  f"leave {'/'.join(f'measure.{k}' for k in TRANSFORMERS_ONLY)} at their defaults")
         if measure is not None and model is not None:
             workloads.check(model, measure, strategy)  # prompt file, lengths vs the GGUF's context_length
 
@@ -187,7 +196,13 @@ class LlamaCppEngine:
         """(n_ctx, n_batch) before the tokenizer runs: synthetic lengths are exact, text prompts bounded."""
         m, acc = exp.measure, exp.accuracy
         n_ctx = max(memory.context_positions(m), acc.context_length if acc.enabled else 0)
-        return n_ctx, max(self.n_batch, acc.context_length if acc.enabled else 0)
+        return n_ctx, self.batches(exp)[0]
+
+    def batches(self, exp: Experiment) -> tuple[int, int]:
+        """(n_batch, n_ubatch) for llama.cpp: a perplexity window is one decode of accuracy.context_length
+        positions, so n_batch grows to hold it; llama_decode splits it into ubatches of engine.n_batch."""
+        acc = exp.accuracy
+        return max(self.n_batch, acc.context_length if acc.enabled else 0), self.n_batch
 
     def open(self, exp: Experiment, device: str, threads: int) -> LlamaCppSession:
         """One run's state (harness/run/hooks.py); nothing loads until the pipeline asks."""
@@ -231,18 +246,20 @@ class LlamaCppSession(Session):
         if not src.is_file():  # random weights: the float GGUF is written once per preset and seed (cached)
             exp.model.make_gguf()
             metrics["gguf_write_s"] = measure.now() - t0
-        fresh = not converted_path(src, fmt).is_file() and FORMATS[fmt] is not None
-        tags["gguf_cache"] = "miss" if fresh or "gguf_write_s" in metrics else "hit"
+        existed = converted_path(src, fmt).is_file()
         t1 = measure.now()
         with third_party_output(log_file):  # llama.cpp's quantizer lists every tensor: to the log file
             self.gguf = gguf = convert(src, fmt, self.threads)
+        fresh = gguf != src and not existed  # the source file itself (gguf, or already in fmt) is no conversion
         if fresh:
             metrics["quantize_s"] = measure.now() - t1  # llama.cpp's own quantizer (llama_model_quantize)
+        tags["gguf_cache"] = "miss" if fresh or "gguf_write_s" in metrics else "hit"
         tags["engine.format"] = fmt
-        n_batch = max(self.engine.n_batch, exp.accuracy.context_length if exp.accuracy.enabled else 0)
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=need, n_batch=n_batch, n_ubatch=n_batch,
+        n_batch, n_ubatch = self.engine.batches(exp)
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=need, n_batch=n_batch, n_ubatch=n_ubatch,
                                    n_threads=self.threads, n_threads_batch=self.threads, logits_all=False,
-                                   seed=exp.measure.seed, verbose=False)
+                                   flash_attn=self.engine.flash_attn, seed=exp.measure.seed, verbose=False)
+        tags.update(build_tags(n_batch, n_ubatch, self.engine.flash_attn))
         metrics["load_s"] = measure.now() - t0
         self.n_vocab = self.llm.n_vocab()
         if max(max(p) for p in wl.prompts + [wl.context or [0]]) >= self.n_vocab:
@@ -286,9 +303,8 @@ class LlamaCppSession(Session):
             llm.eval([tok])
             tok = int(self._logits_last().argmax())
             dt = measure.now() - t
-            if opts.inject_slowdown > 0:  # test-only: stretch the step (gate calibration)
-                time.sleep(dt * opts.inject_slowdown)
-                dt = measure.now() - t
+            if opts.inject_slowdown > 0 or opts.inject_work > 0:  # test-only: a slower step, inside the timing
+                dt = injected_step(opts, t, dt)  # spin-wait or real extra work (strategies/inject.py)
             steps.append(dt)
             seq.append(tok)
         decode_wall = measure.now() - t_first if steps else 0.0  # steps plus the host work between them
@@ -313,6 +329,28 @@ class LlamaCppSession(Session):
             self.llm.close()  # frees the context and the model now, not whenever the GC runs
             self.llm = None
             gc.collect()
+
+
+def system_info(raw: bytes | str) -> str:
+    """`llama_print_system_info()` trimmed to the features it reports on: 'CPU: AVX2 FMA ...' (flags set to 1)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    parts, backend = [], ""
+    for item in (p.strip() for p in text.split("|")):
+        name, _, value = (x.strip() for x in item.rpartition("="))
+        if ":" in name:  # 'CPU : SSE3' opens a backend's list
+            backend, name = (x.strip() for x in name.split(":", 1))
+            parts.append(f"{backend}:")
+        if name and value not in ("", "0"):
+            parts.append(name)
+    return " ".join(parts)
+
+
+def build_tags(n_batch: int, n_ubatch: int, flash_attn: bool) -> dict[str, str]:
+    """Which llama.cpp ran and how: the library's version and CPU features, the batch sizes, the attention path."""
+    import llama_cpp  # optional extra
+
+    return {"llama.version": llama_cpp.__version__, "llama.system_info": system_info(llama_cpp.llama_print_system_info()),
+            "llama.n_batch": str(n_batch), "llama.n_ubatch": str(n_ubatch), "llama.flash_attn": str(flash_attn).lower()}
 
 
 def gguf_params(path: Path) -> float:
