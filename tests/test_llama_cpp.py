@@ -40,6 +40,13 @@ def test_config_errors_are_one_clear_line(compose, overrides, message):
         _build(compose, ["engine=llama_cpp", *overrides])
 
 
+def test_auto_settings_pass_on_llama_cpp_so_a_shared_sweep_config_does(compose):
+    """conf/experiment/scaling.yaml sets measure.hugepages=auto for every format, llama.cpp's included: `auto`
+    means "where it applies", which here is nowhere; only an explicit transformers setting is refused."""
+    exp = _build(compose, ["engine=llama_cpp", "measure.hugepages=auto", "measure.gemv=auto", "measure.path=best"])
+    assert exp.engine.name == "llama_cpp"
+
+
 def test_default_engine_is_transformers(compose):
     exp = _build(compose, ["model=tiny_random"])
     assert exp.engine.name == "transformers"
