@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.special import stdtrit
 
 from harness.gate.errors import GateError
 
@@ -123,32 +124,9 @@ class Look:
     totals: float = 0.0  # untrimmed log ratio of total tokens / total time (`totals_log_ratio`), the veto
 
 
-def t_cdf(t: float, df: int) -> float:
-    """Student's t distribution function for integer `df` >= 1 (the exact finite series, A&S 26.7.3-4)."""
-    theta = math.atan2(t, math.sqrt(df))
-    s, c2 = math.sin(theta), math.cos(theta) ** 2
-    if df % 2:  # odd: (2/pi) (theta + sin cos (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...)), terms up to cos^(df-2)
-        term, total = 1.0, 1.0 if df > 1 else 0.0
-        for k in range(3, df - 1, 2):
-            term *= c2 * (k - 1) / k
-            total += term
-        a = 2 / math.pi * (theta + s * math.cos(theta) * total)
-    else:  # even: sin (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...), terms up to cos^(df-2)
-        term = total = 1.0
-        for k in range(2, df - 1, 2):
-            term *= c2 * (k - 1) / k
-            total += term
-        a = s * total
-    return 0.5 + 0.5 * a  # a = P(-|t| < T < |t|) carries the sign of t
-
-
 def t_ppf(p: float, df: int) -> float:
-    """Quantile of Student's t with integer `df` (bisection on `t_cdf`; p in (0, 1))."""
-    lo, hi = -1e6, 1e6
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-    return 0.5 * (lo + hi)
+    """Quantile of Student's t with `df` degrees of freedom (scipy, which mlflow already installs)."""
+    return float(stdtrit(df, p))
 
 
 def bound_df(pairs: int) -> int:

@@ -120,8 +120,8 @@ def drive(target: Target, requests: list[Request], times: list[float], timeout_s
 
     def check() -> None:
         now = time.perf_counter() - t0
-        for i in range(submitted):
-            if now > records[i].sent + timeout_s:
+        for i in range(submitted):  # the sender's own loop: skip the ended ones without taking the lock
+            if not ended[i].is_set() and i not in expired and now > records[i].sent + timeout_s:
                 expire(i)
         if (why := target.problem()):
             for i in range(submitted):  # nothing more will come back: stop what is still in flight
