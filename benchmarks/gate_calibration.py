@@ -99,7 +99,7 @@ def report(path: Path) -> int:
         if r.get("scenario") in SCENARIOS:
             by[r["scenario"]].append(r)
     cpus = sorted({m["cpu"] for m in meta})
-    dates = sorted(m["date"] for m in meta)
+    dates = sorted(r["date"] for r in rows if "date" in r)  # each command's start and, since 2026-12-06, each run's end
     print(f"Gate calibration from {path}: {len(rows) - len(meta)} runs")
     print(f"CPU: {', '.join(cpus)}; {dates[0]} .. {dates[-1]}" if meta else "")
     for cmd in sorted({m["command"] for m in meta}):
@@ -183,7 +183,8 @@ def main() -> int:
 
     quiet_third_party()
     with out.open("a") as fh:
-        fh.write(json.dumps({"scenario": "meta", "cpu": env.cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M"),
+        fh.write(json.dumps({"scenario": "meta", "cpu": env.cpu_info(with_torch=False).describe(),
+                             "date": time.strftime("%Y-%m-%d %H:%M"),
                              "command": " ".join(["python", "benchmarks/gate_calibration.py", *sys.argv[1:]])}) + "\n")
         counts = {name: args.runs or DEFAULT_RUNS[name] for name in names}
         todo = [(name, run) for name in names for run in range(counts[name])]
@@ -192,7 +193,7 @@ def main() -> int:
         for name, i in todo:
             runs, run = counts[name], args.first + i
             row = ci_run(run, args.overrides, args.ci_base) if name == "ci" else gate_run(name, run, args.overrides, args)
-            fh.write(json.dumps(row) + "\n")
+            fh.write(json.dumps({**row, "date": time.strftime("%Y-%m-%d %H:%M")}) + "\n")  # the end of the range
             fh.flush()
             what = (f"exit {row['exit']}" if name == "ci" else row.get("error") or
                     f"{row['verdict']:13s} change {row['change']:+.1%} [{row['ci_low']:+.1%}, {row['ci_high']:+.1%}] "

@@ -143,16 +143,19 @@ def parse_cpuinfo(text: str, torch_capability: str = "") -> CpuInfo:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_info() -> CpuInfo:
-    """This machine's CpuInfo (cached; the torch capability is read only when torch is importable)."""
+def cpu_info(with_torch: bool = True) -> CpuInfo:
+    """This machine's CpuInfo (the torch capability is read only when torch is importable and `with_torch`:
+    a process that never needs torch, such as the gate's parent, names its CPU without a 2 s import)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
+    capability = ""
     try:
-        import torch
+        if with_torch:
+            import torch
 
-        capability = str(torch.backends.cpu.get_cpu_capability())
+            capability = str(torch.backends.cpu.get_cpu_capability())
     except Exception:  # noqa: BLE001 - torch missing or too old: the flags alone still decide
         capability = ""
     info = parse_cpuinfo(text, capability)

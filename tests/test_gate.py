@@ -6,6 +6,7 @@ comparison of a commit that adds real work to every decode step with its parent 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import io
 import json
 import math
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from harness import gate
+from harness import env, gate
 from harness.errors import QuantbenchError
 from harness.gate import GateError, GateOptions, compare_accuracy, interleave, speed_stats, stats
 
@@ -600,6 +601,10 @@ def test_speed_regression_exits_1(tmp_path, mlflow_dir, monkeypatch):
                          overrides(mlflow_dir, tmp_path), "--no-mlflow"], tmp_path)
     assert code == 1 and "FAIL (regression)" in md and "| regression |" in md
     assert "Stopped: decided: regression" in md
+    cpu = env.cpu_info(with_torch=False)
+    assert f"Measured on: {cpu.describe()}." in md  # a speed names its CPU (family and model)
+    tags = json.loads((tmp_path / "gate.json").read_text())["tags"]
+    assert tags["cpu.family"] == cpu.family and tags["cpu.model"] == cpu.model and tags["cpu.isa"] == cpu.isa
 
 
 def test_undecided_is_a_pass_that_says_so(tmp_path, mlflow_dir, monkeypatch):
@@ -689,3 +694,17 @@ def test_the_gate_refuses_to_compare_a_commit_with_itself(tmp_path):
     assert sides("HEAD", cand="quantizer=fp32") == ""  # another config is a comparison too
     (tmp_path / "a.py").write_text("x = 3\n")  # the candidate has local changes: its code differs from HEAD
     assert sides("HEAD") == ""
+
+
+def test_calibration_report_names_the_cpu_and_the_whole_date_range(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("gate_calibration", ROOT / "benchmarks" / "gate_calibration.py")
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    cpu = env.cpu_info(with_torch=False).describe()
+    row = {"scenario": "aa", "verdict": "no regression", "change": 0.0, "ci_low": -0.01, "ci_high": 0.01, "pairs": 64,
+           "looks": 1, "speed_s": 4.0, "seconds": 10.0, "order_effect": 0.0, "lag1": 0.0}
+    lines = [{"scenario": "meta", "cpu": cpu, "date": "2026-12-06 06:56", "command": "python b.py --only aa"},
+             {**row, "run": 0, "date": "2026-12-06 06:57"}, {**row, "run": 1, "date": "2026-12-06 07:08"}]
+    (tmp_path / "cal.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cal.report(tmp_path / "cal.jsonl")
+    assert f"CPU: {cpu}; 2026-12-06 06:56 .. 2026-12-06 07:08" in capsys.readouterr().out  # the last run's end

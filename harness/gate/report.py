@@ -57,7 +57,7 @@ def summary_markdown(res: Any) -> str:
                   f"| A B B A interleaved | {s.baseline_tps:.1f} | {s.candidate_tps:.1f} | {_pct(s.change)} | "
                   f"[{_pct(s.ci_low)}, {_pct(s.ci_high)}] | {_pct(-s.threshold)} | {s.pairs} "
                   f"({len(s.looks)} of {s.planned_looks} looks, {s.seconds:.1f} s) | {s.verdict} |", "",
-                  f"Stopped: {s.stop}."]
+                  f"Stopped: {s.stop}.", "", f"Measured on: {env.cpu_info(with_torch=False).describe()}."]
         if s.verdict == UNDECIDED:
             lines.append(f"**Undecided:** no decision yet (see *Stopped*: the bounds straddle {_pct(-s.threshold)}, or "
                          "too few blocks for one), so this passes without a decision; raise `--budget`, or run on a "
@@ -111,7 +111,8 @@ def record(res: Any, opts: Any, markdown: str) -> str:
             "gate.speed_stop": res.speed.stop if res.speed else "",
             "gate.baseline": " ".join(opts.baseline), "gate.candidate": " ".join(opts.candidate),
             "gate.baseline_rev": opts.baseline_rev, "gate.candidate_rev": opts.candidate_rev,
-            "git_commit": env.git_commit(), "cpu_model": env.cpu_model()}
+            "git_commit": env.git_commit(), "cpu_model": env.cpu_model(),
+            **env.cpu_info(with_torch=False).tags()}
     tags.update({f"gate.accuracy.{c.name}": ("ok " if c.ok else "FAIL ") + c.detail for c in res.accuracy})
     now = time.time()
     result = Result(status="OK" if res.code != 2 else "FAILED", config={"gate": res.options},
