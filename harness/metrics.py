@@ -67,7 +67,8 @@ _TABLE: list[Metric] = [
            "run-to-run noise: CV of each prompt batch's decode tokens/s over repetitions (RMS over batches)"),
     Metric("decode_step_tokens_per_s", "tokens/s", _H, "decode",
            "median over calls of decode tokens / sum of step times (host work between steps excluded)"),
-    Metric("ttft_ms", "ms", _L, "decode", "median time to first token (prefill + first argmax)",
+    Metric("ttft_ms", "ms", _L, "decode", "median time to first token (prefill + first argmax); continuous batching: "
+           "per request, from its arrival (= request_ttft_ms_p50)",
            Column("TTFT ms", "{:.1f}", 20, always=True)),
     Metric("ttft_ms_p90", "ms", _L, "decode", "90th percentile of time to first token"),
     Metric("itl_ms_p50", "ms", _L, "decode", "median inter-token latency over every decode step of every call"),

@@ -406,3 +406,6 @@ def test_continuous_batch_itl_is_per_request(monkeypatch):
     m = summarize([gen])
     assert m["itl_ms_p50"] == pytest.approx(1000.0) and m["decode_tokens_per_s"] == pytest.approx(1.0)
     assert m["prompt_tokens_per_s"] == pytest.approx(6 / 2.2)
+    m.update(cb.ContinuousBatch(requests=3).metrics([gen]))  # as the pipeline merges them: strategy last
+    assert m["ttft_ms"] == pytest.approx(1200.0) and m["ttft_ms_p90"] == m["request_ttft_ms_p90"]  # per request
+    assert m["e2e_ms"] == pytest.approx(1000.0 * (1.0 + 5.0))  # the call's: its first token, then the stream
