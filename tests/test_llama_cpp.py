@@ -142,6 +142,34 @@ def test_system_info_is_trimmed_to_the_features_set():
     assert lc.system_info(raw) == "CPU: SSE3 AVX LLAMAFILE OPENMP REPACK"
 
 
+@needs_extra
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_the_task_lm_opens_its_context_with_the_engines_flash_attn(compose, monkeypatch, flash_attn):
+    """engine.flash_attn reaches the lm-eval LM's own llama.cpp context (task accuracy) as it reaches the engine's:
+    the kwargs it passes to llama_cpp.Llama, caught by a stand-in class (no model loads)."""
+    pytest.importorskip("lm_eval")
+    import llama_cpp
+
+    class Opened(Exception):
+        pass
+
+    seen: list[dict] = []
+
+    class FakeLlama:
+        def __init__(self, **kwargs):
+            seen.append(kwargs)
+            raise Opened
+
+    monkeypatch.setattr(llama_cpp, "Llama", FakeLlama)
+    exp = _build(compose, ["engine=llama_cpp", f"engine.flash_attn={str(flash_attn).lower()}"])
+    session = exp.engine.open(exp, "cpu", 2)
+    session.gguf = Path("model.gguf")
+    lm = session.task_lm(tokenizer=None)
+    with pytest.raises(Opened):
+        lm._loglikelihood_tokens([(("ctx", "cont"), [1, 2], [3])])
+    assert seen[0].get("flash_attn") is flash_attn
+
+
 def test_inject_work_and_slowdown_act_through_injected_step(monkeypatch):
     """measure.inject_work / inject_slowdown stretch llama.cpp's steps as strategies/decode.py's (strategies/inject.py)."""
     import numpy as np

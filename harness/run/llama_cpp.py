@@ -323,7 +323,7 @@ class LlamaCppSession(Session):
     def task_lm(self, tokenizer: Any) -> Any:
         """lm-eval over the same GGUF and token ids as engine=transformers (harness/run/llama_cpp_lm.py)."""
         self.close()  # the LM opens its own context per request set: free this one first
-        return llama_cpp_lm.lm_class()(self.gguf, tokenizer, self.threads)
+        return llama_cpp_lm.lm_class()(self.gguf, tokenizer, self.threads, self.engine.flash_attn)
 
     def close(self) -> None:
         if self.llm is not None:

@@ -37,9 +37,10 @@ def lm_class() -> type:
     class LlamaCppLM(TemplateLM):
         """Log-likelihoods of (context, continuation) requests from a GGUF file through llama.cpp."""
 
-        def __init__(self, gguf: Path, tokenizer: Any, threads: int) -> None:
+        def __init__(self, gguf: Path, tokenizer: Any, threads: int, flash_attn: bool = False) -> None:
             super().__init__()
             self.gguf, self.tokenizer, self.threads = Path(gguf), tokenizer, threads
+            self.flash_attn = flash_attn  # engine.flash_attn, as the engine's own context (harness/run/llama_cpp.py)
 
         @property
         def eot_token_id(self) -> int:
@@ -58,7 +59,8 @@ def lm_class() -> type:
                                   ) -> list[tuple[float, bool]]:
             n_ctx = max(len(ctx) + len(cont) for _, ctx, cont in requests)
             llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                                  n_threads=self.threads, n_threads_batch=self.threads, logits_all=False, verbose=False)
+                                  n_threads=self.threads, n_threads_batch=self.threads, logits_all=False,
+                                  flash_attn=self.flash_attn, verbose=False)
             try:
                 if n_ctx > llm._model.n_ctx_train():
                     raise QuantbenchError(f"a task request has {n_ctx} tokens, more than the model's context "
