@@ -26,6 +26,7 @@ from harness.cli import precheck
 from harness.config import build, to_plain
 from harness.load import lengths, report
 from harness.load import run as run_module
+from harness.load import server as server_module
 from harness.load.config import LoadConfig
 from harness.load.driver import Request, drive, schedule
 from harness.load.run import LoadRun
@@ -33,6 +34,7 @@ from harness.load.server import LlamaServer
 from harness.load.stats import RequestRecord, above_knee, capacity, meets, summarize, sweep_rates
 from harness.records import tracking
 from harness.run import runner
+from harness.run.llama_cpp import system_info
 from harness.sweep.isolated import run_isolated
 from harness.sweep.settings import SweepSettings
 
@@ -298,6 +300,23 @@ def test_llama_server_gets_the_engines_batch_and_attention_path_and_the_run_tags
     tags = result.tags
     assert (tags["llama.n_batch"], tags["llama.n_ubatch"], tags["llama.flash_attn"]) == ("64", "64", "true")
     assert tags["llama.server_version"] not in ("", "?")
+    assert tags["llama.system_info"].startswith("CPU:")  # the server binary's CPU features, as in-process runs record
+
+
+def test_the_server_binarys_cpu_features_are_read_from_its_verbose_startup_line(tmp_path, monkeypatch):
+    """llama-server prints `system_info:` only at -lv 4, before it loads a model: a stand-in binary prints it so
+    (threads first, then llama_print_system_info) when asked at that verbosity, and nothing otherwise."""
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n"
+                    'case " $* " in *" -lv 4 "*) echo "0.00.003.319 I cmn  common_param: system_info: n_threads = 2 '
+                    '(n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | AVX = 1 | AVX512 = 0 | REPACK = 1 | " ;; esac\n'
+                    'echo "0.00.006.293 E srv    load_model: failed to load model"; exit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("QUANTBENCH_LLAMA_SERVER", str(fake))
+    assert server_module.system_info_line() == "CPU : SSE3 = 1 | AVX = 1 | AVX512 = 0 | REPACK = 1 |"
+    assert system_info(server_module.system_info_line()) == "CPU: SSE3 AVX REPACK"
+    fake.write_text("#!/bin/sh\necho 'nothing said'; exit 1\n")
+    assert server_module.system_info_line() == ""
 
 
 def test_a_server_that_dies_mid_run_fails_the_run_in_one_line_and_keeps_what_was_answered(compose, tmp_path,

@@ -35,12 +35,12 @@ from harness.load import lengths
 from harness.load.driver import Request, TargetDied, drive, schedule
 from harness.load.http import HttpTarget
 from harness.load.inprocess import InProcessTarget
-from harness.load.server import LlamaServer, binary, version
+from harness.load.server import LlamaServer, binary, system_info_line, version
 from harness.load.stats import CLOSED, QUANTILES, above_knee, capacity, summarize, sweep_rates
 from harness.measure import memory, workloads
 from harness.models import load_tokenizer
 from harness.run.hooks import Outcome
-from harness.run.llama_cpp import convert, linear_bits
+from harness.run.llama_cpp import convert, linear_bits, system_info
 
 log = logging.getLogger("quantbench")
 
@@ -145,7 +145,8 @@ class LoadRun:
                                       flash_attn=eng.flash_attn, ctx_per_slot=-(-(max_len + 16) // 256) * 256,
                                       log_file=self.log_file)
             self.tags.update({"llama.n_batch": str(eng.n_batch), "llama.n_ubatch": str(eng.n_batch),
-                              "llama.flash_attn": str(eng.flash_attn).lower(), "llama.server_version": version()})
+                              "llama.flash_attn": str(eng.flash_attn).lower(), "llama.server_version": version(),
+                              "llama.system_info": system_info(system_info_line()) or "?"})  # as in-process runs
             t0 = measure.now()
             self.server.start()
             self.metrics["load_s"] = measure.now() - t0

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +49,24 @@ def version() -> str:
         return "?"
     lines = [ln.split(":", 1)[1].strip() for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("version:")]
     return lines[0] if lines else "?"
+
+
+def system_info_line() -> str:
+    """The binary's CPU features as llama.cpp prints them ('CPU : SSE3 = 1 | AVX = 1 | ...'); '' if unsaid.
+
+    llama-server prints its `system_info:` line only at verbosity 4, before it loads a model: a start at `-lv 4` on a
+    file that does not exist prints it and exits (milliseconds), leaving the timed server at its default verbosity.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [str(binary()), "-lv", "4", "-m", str(Path(tmp) / "absent.gguf"), "--host", "127.0.0.1",
+               "--port", str(free_port())]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=30,
+                                 stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    lines = [ln.split("|", 1)[1] for ln in (out.stdout + out.stderr).splitlines() if "system_info:" in ln and "|" in ln]
+    return lines[0].strip() if lines else ""
 
 
 def free_port() -> int:
