@@ -9,7 +9,9 @@ times, so this loop is written out.
 KV caches: the target's cache always holds every token but the newest (which is fed next). Rejected
 draft tokens leave stale entries in both caches; they are cropped before the next step, so no step
 ever attends to a token that is not in the output. Batch 1 has no padding: the attention mask is all
-ones and position ids continue from the cache length.
+ones and position ids continue from the cache length. Forwards (strategies/drafters.py `run_forward`) keep the
+logits they read only (a prefill, target's or draft's: the last position, as greedy's), and under
+`measure.gemv=aten` a one-token forward after a prefill runs with oneDNN off, as greedy's decode steps do.
 
 Every generate call also runs plain greedy on the same prompt with the same target, and
 `speedup_vs_greedy` compares the two timings side by side. The order alternates (`greedy_first`):
@@ -33,89 +35,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from harness import gguf_meta
 from harness.errors import ConfigError, QuantbenchError, one_of
-from harness.measure import Generation, model_grad_mode, near_tie, now, percentile, resolve_device, sync
+from harness.measure import Generation, grad_mode, model_grad_mode, near_tie, now, percentile, resolve_device, sync
 from quantizers.dtype import Dtype
 from strategies.base import DecodeOptions, Strategy
 from strategies.decode import greedy_generate
+from strategies.drafters import LookupDrafter, ModelDrafter, crop_to, run_forward
 
 DRAFTS = ("model", "prompt_lookup")
 log = logging.getLogger("quantbench")
 
 
-def run_forward(model: Any, ids: list[int], start: int, cache: Any, device: str) -> torch.Tensor:
-    """Feed `ids` at positions start.. on top of a cache holding `start` tokens; logits for every id."""
-    n = len(ids)
-    x = torch.tensor([ids], dtype=torch.long, device=device)
-    pos = torch.arange(start, start + n, device=device)
-    mask = torch.ones((1, start + n), dtype=torch.long, device=device)
-    out = model(input_ids=x, attention_mask=mask, position_ids=pos[None], cache=cache, cache_position=pos,
-                use_cache=True, logits_to_keep=n)
-    return out.logits[0]
-
-
-def crop_to(cache: Any, have: int, keep: int) -> None:
-    """Drop the newest `have - keep` entries (transformers 5 `crop` takes a negative count)."""
-    if have > keep:
-        cache.crop(keep - have)
-
-
-class ModelDrafter:
-    """Greedy proposals from a draft model with its own KV cache (rolled back like the target's)."""
-
-    def __init__(self, model: Any, device: str):
-        self.model, self.device = model, device
-        self.cache: Any = None
-        self.n = 0  # tokens held in the draft cache
-
-    def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache, self.n = DynamicCache(config=self.model.config), 0
-
-    def propose(self, seq: list[int], k: int) -> list[int]:
-        out: list[int] = []
-        ids = seq[self.n:]  # the first call prefills the whole prompt; later ones feed 1-2 tokens
-        for _ in range(k):
-            logits = run_forward(self.model, ids, self.n, self.cache, self.device)
-            self.n += len(ids)
-            ids = [int(logits[-1].argmax())]
-            out.append(ids[0])
-        return out  # the cache now holds seq + out[:-1]
-
-    def rollback(self, keep: int) -> None:
-        crop_to(self.cache, self.n, keep)
-        self.n = min(self.n, keep)
-
-
-@dataclass
-class LookupDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens, propose what followed."""
-
-    ngram_max: int = 3
-    ngram_min: int = 1
-
-    def reset(self) -> None:
-        pass
-
-    def propose(self, seq: list[int], k: int) -> list[int]:
-        for n in range(min(self.ngram_max, len(seq) - 1), self.ngram_min - 1, -1):
-            tail = seq[-n:]
-            for j in range(len(seq) - n - 1, -1, -1):
-                if seq[j: j + n] == tail:
-                    return seq[j + n: j + n + k]
-        return []
-
-    def rollback(self, keep: int) -> None:
-        pass
-
-
-@model_grad_mode  # inference_mode, or no_grad where the quantizer needs it (quanto int4)
 def speculative_generate(target: Any, prompt: list[int], opts: DecodeOptions, drafter: Any, k: int) -> Generation:
-    """Greedy speculative decoding of one prompt; `Generation.stats` holds the acceptance counts."""
+    """Greedy speculative decoding of one prompt; `Generation.stats` holds the acceptance counts.
+
+    inference_mode, or no_grad where the target's or the draft model's quantizer needs it (quanto int4).
+    """
+    with grad_mode(target, getattr(drafter, "model", None)):
+        return speculative_loop(target, prompt, opts, drafter, k)
+
+
+def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafter: Any, k: int) -> Generation:
     from transformers import DynamicCache
 
     device = opts.device
@@ -123,7 +64,7 @@ def speculative_generate(target: Any, prompt: list[int], opts: DecodeOptions, dr
     drafter.reset()
     sync(device)
     t0 = now()
-    first = int(run_forward(target, prompt, 0, cache, device)[-1].argmax())
+    first = int(run_forward(target, prompt, 0, cache, device, last=True)[-1].argmax())
     sync(device)
     t_first = now()  # the first token is on the host: the decode phase's wall clock starts here
     ttft = t_first - t0
@@ -142,7 +83,8 @@ def speculative_generate(target: Any, prompt: list[int], opts: DecodeOptions, dr
         sync(device)
         t_mid = now()
         have = len(seq) - 1  # target cache holds all but the newest token
-        preds = run_forward(target, [seq[-1], *draft], have, cache, device).argmax(-1).tolist()
+        logits = run_forward(target, [seq[-1], *draft], have, cache, device, gemv_aten=opts.gemv_aten)
+        preds = logits.argmax(-1).tolist()  # one token (nothing drafted) takes greedy's one-row path
         # Greedy verification: p_i is the target's argmax after [.., d_1..d_i]; d_{i+1} is accepted iff
         # d_{i+1} == p_i, so the longest matching prefix (n tokens) is what greedy would have produced;
         # p_n is the target's own next token, hence n+1 tokens per step and output == plain greedy.
@@ -159,8 +101,9 @@ def speculative_generate(target: Any, prompt: list[int], opts: DecodeOptions, dr
         seq.extend(new)
         gen.extend(new)
         drafter.rollback(len(seq) - 1)
-        # past an EOS nothing was emitted: a step counts only the draft tokens up to it, and accepts those it kept
-        steps.append((min(len(draft), len(new)), min(n, len(new))))
+        # drafted: every proposed token, rejected ones included (kk kept the draft within the token budget); past
+        # an EOS nothing was emitted, so such a step counts the draft tokens up to it, and accepts those it kept
+        steps.append((min(len(draft), len(new)) if done else len(draft), min(n, len(new))))
         draft_s += t_mid - t
         verify_s += t_end - t_mid
         # the step's time shared by the tokens it produced: the step sum stays exact, ITL stays comparable
@@ -180,7 +123,8 @@ def tie_note(model: Any, prompt: list[int], want: list[int], at: int) -> str:
     if at >= len(want):
         return "the speculative loop produced a different length: a bug in the loop"
     device = str(next(model.parameters()).device)
-    logits = run_forward(model, [*prompt, *want[:at]], 0, DynamicCache(config=model.config), device)[-1].float()
+    logits = run_forward(model, [*prompt, *want[:at]], 0, DynamicCache(config=model.config), device, last=True)[-1]
+    logits = logits.float()
     top = logits.topk(2)
     gap = float(top.values[0] - top.values[1])
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
@@ -286,7 +230,7 @@ class Speculative(Strategy):
         audit = quantizer.audit(draft)
         self._draft_metrics = {"draft_load_s": now() - t0, "draft_bits_per_weight": audit["bits_per_weight"],
                                "draft_weight_bytes": audit["weight_bytes"]}
-        self._drafter = ModelDrafter(draft, opts.device)
+        self._drafter = ModelDrafter(draft, opts.device, opts.gemv_aten)
 
     def teardown(self) -> None:
         self._drafter = None

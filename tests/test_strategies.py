@@ -228,8 +228,8 @@ def tie(monkeypatch):
     real = spec.run_forward
     mode = {"verify": "tie"}
 
-    def verify_rounds_differently(model, ids, start, cache, device):
-        logits = real(model, ids, start, cache, device)
+    def verify_rounds_differently(model, ids, start, cache, device, **kwargs):
+        logits = real(model, ids, start, cache, device, **kwargs)
         if model is target and start > 0 and len(ids) > 1:  # the k+1-token verify forward
             logits = logits.clone()
             for row in range(logits.shape[0]):

@@ -5,8 +5,10 @@ request it counts (prefix sharing off unless asked for)."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from harness.measure import Generation
 from harness.models import TinyRandom, load_pretrained
@@ -46,6 +48,8 @@ def test_speculative_counts_nothing_past_eos(target):
     steps = gen.stats["steps"]
     assert all(0 <= a <= d for d, a in steps)
     assert sum(a for _, a in steps) <= gen.decode_tokens  # accepted tokens were all emitted
+    last = gen.decode_tokens - sum(a + 1 for _, a in steps[:-1])  # what the step that reached EOS emitted
+    assert all(d == 4 for d, _ in steps[:-1]) and steps[-1][0] <= last  # drafted: up to EOS, not past it
     gen.stats.update(greedy_e2e_s=1.0, greedy_decode_tokens_per_s=1.0, greedy_match=1.0)
     m = Speculative(draft="model").metrics([gen])
     assert m["tokens_per_verify_step"] == pytest.approx(gen.decode_tokens / len(steps))
@@ -81,3 +85,104 @@ def test_continuous_batch_prefills_every_request_unless_sharing_is_asked_for(tar
         strategy.teardown()
     assert gen.prompt_tokens == 1600 and gen.decode_tokens == 16 * 3
     assert (sum(shared) > 0) is sharing, shared
+
+
+# ------------------------------------------------------------------------------------------ speculative fixes
+class OneRight:
+    """Proposes greedy's next token, then k-1 wrong ones: exactly 1 of every k drafted is accepted."""
+
+    def __init__(self, ref: list[int]):
+        self.ref, self.proposed = ref, []
+
+    def reset(self):
+        pass
+
+    def rollback(self, keep):
+        pass
+
+    def propose(self, seq, k):
+        out = [self.ref[len(seq)]] + [7 if self.ref[len(seq) + 1 + i] != 7 else 8 for i in range(k - 1)]
+        self.proposed.append(len(out))
+        return out
+
+
+def test_acceptance_counts_rejected_draft_tokens(target):
+    """Every drafted token is in the denominator (was: min(drafted, emitted), 0.53 for this 1-of-4 drafter)."""
+    prompt, opts = [9, 10, 11, 12, 13, 14, 15, 9, 10, 11], DecodeOptions(max_new_tokens=21)
+    ref = [*prompt, *greedy_generate(target, [prompt], opts).sequences[0]]
+    drafter = OneRight(ref)
+    gen = speculative_generate(target, prompt, opts, drafter, 4)
+    assert gen.sequences[0] == ref[len(prompt):]
+    steps = gen.stats["steps"]
+    assert [d for d, _ in steps] == drafter.proposed == [4] * 8 + [3, 1]  # the token budget trims the last two
+    assert all(a == 1 for _, a in steps)
+    gen.stats.update(greedy_e2e_s=1.0, greedy_decode_tokens_per_s=1.0, greedy_match=1.0)
+    m = Speculative(draft="model", num_draft_tokens=4).metrics([gen])
+    assert m["acceptance_rate"] == pytest.approx(10 / 36) and m["mean_accepted_tokens"] == 1.0
+
+
+def test_a_draft_model_that_needs_no_grad_runs_under_no_grad(target):
+    """quanto int4 fails under inference_mode; its mark on the draft (not on the target) must pick no_grad."""
+    draft = load_pretrained(TinyRandom(), "bfloat16", "cpu")
+    draft.quantbench_grad_mode = "no_grad"
+    modes = []
+    draft.register_forward_pre_hook(lambda *a: modes.append(torch.is_inference_mode_enabled()))
+    gen = speculative_generate(target, [9, 10, 11, 12], DecodeOptions(max_new_tokens=6), ModelDrafter(draft, "cpu"), 3)
+    assert len(gen.sequences[0]) == 6 and modes and not any(modes)
+
+
+class Spy:
+    """Per forward of each model: (tokens fed, tokens before them, logits_to_keep, oneDNN on)."""
+
+    def __init__(self, **models):
+        self.calls = {name: [] for name in models}
+        self.handles = [m.register_forward_pre_hook(self.hook(name), with_kwargs=True) for name, m in models.items()]
+
+    def hook(self, name):
+        def record(mod, args, kwargs):
+            pos = kwargs["cache_position"]
+            self.calls[name].append((len(pos), int(pos[0]), kwargs["logits_to_keep"], torch.backends.mkldnn.enabled))
+        return record
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+@pytest.fixture()
+def bf16_draft():
+    return load_pretrained(TinyRandom(), "bfloat16", "cpu")
+
+
+def test_prefills_keep_only_the_last_logits(target, bf16_draft):
+    spy = Spy(target=target, draft=bf16_draft)
+    try:
+        speculative_generate(target, list(range(9, 40)), DecodeOptions(max_new_tokens=8),
+                             ModelDrafter(bf16_draft, "cpu"), 3)
+    finally:
+        spy.remove()
+    prefill, *verify = spy.calls["target"]
+    assert prefill[:3] == (31, 0, 1)  # logits_to_keep was 31: full-vocab logits for every prompt position
+    assert all(keep == n for n, start, keep, _ in verify)  # the verify forward reads every position
+    # the draft prefills prompt + the first token; it reads the newest logits only, at every step
+    assert spy.calls["draft"][0][:3] == (32, 0, 1) and all(c[2] == 1 for c in spy.calls["draft"])
+
+
+def test_gemv_aten_one_row_forwards_run_as_greedy_steps_do(target, bf16_draft):
+    """measure.gemv=aten: greedy's batch-1 steps run with oneDNN off; so do the draft's and the target's one-token
+    forwards after their prefill (the draft is built by setup from the run's options); the rest keeps oneDNN."""
+    opts = DecodeOptions(max_new_tokens=12, gemv_aten=True)
+    quantizer = SimpleNamespace(load=lambda *a, **k: bf16_draft, audit=lambda m: {"bits_per_weight": 16.0,
+                                                                                  "weight_bytes": 1.0})
+    strategy = Speculative(draft="model", num_draft_tokens=3, draft_quantizer=quantizer)
+    strategy.setup(model=target, tokenizer=None, opts=opts, experiment=SimpleNamespace(model=TinyRandom()))
+    spy = Spy(target=target, draft=bf16_draft)
+    try:
+        strategy.generate(target, [[9, 10, 11, 12, 13]], opts)
+    finally:
+        spy.remove()
+    calls = spy.calls["target"] + spy.calls["draft"]
+    one_row = [on for n, start, _, on in calls if n == 1 and start > 0]
+    assert one_row and not any(one_row) and sum(c[0] == 1 for c in spy.calls["draft"]) > 0
+    assert all(on for n, start, _, on in calls if n > 1 or start == 0)
+

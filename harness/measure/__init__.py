@@ -47,19 +47,25 @@ def now() -> float:
     return time.perf_counter()
 
 
-def model_grad_mode(fn):
-    """Run `fn(model, ...)` under torch.inference_mode, or under no_grad when the model asks for it.
+def grad_mode(*models: object) -> contextlib.AbstractContextManager:
+    """torch.inference_mode, or no_grad when any of `models` asks for it (None entries are skipped).
 
     A quantizer sets `model.quantbench_grad_mode = "no_grad"` when its backend breaks under
-    inference_mode (optimum-quanto int4: "Cannot set version_counter for inference tensor").
+    inference_mode (optimum-quanto int4: "Cannot set version_counter for inference tensor"); a loop that
+    runs several models (speculative: target and draft) needs no_grad if one of them does.
     """
+    import torch
+
+    no_grad = any(getattr(m, "quantbench_grad_mode", "inference") == "no_grad" for m in models if m is not None)
+    return torch.no_grad() if no_grad else torch.inference_mode()
+
+
+def model_grad_mode(fn):
+    """Run `fn(model, ...)` under `grad_mode(model)`: inference_mode, or no_grad when the model asks for it."""
 
     @functools.wraps(fn)
     def wrapper(model, *args, **kwargs):
-        import torch
-
-        no_grad = getattr(model, "quantbench_grad_mode", "inference") == "no_grad"
-        with torch.no_grad() if no_grad else torch.inference_mode():
+        with grad_mode(model):
             return fn(model, *args, **kwargs)
 
     return wrapper

@@ -1,0 +1,91 @@
+"""The drafters of speculative decoding (strategies/speculative.py) and the forward they share with its loop.
+
+A drafter has `reset()` (a new prompt), `propose(seq, k) -> up to k tokens` and `rollback(keep)` (drop what the
+target rejected). `ModelDrafter`: greedy proposals from a draft model with its own KV cache; `LookupDrafter`:
+prompt lookup, no model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from strategies.decode import OneDnnOff
+
+
+def run_forward(model: Any, ids: list[int], start: int, cache: Any, device: str, *, last: bool = False,
+                gemv_aten: bool = False) -> torch.Tensor:
+    """Feed `ids` at positions start.. on top of a cache holding `start` tokens; logits for every id, or for
+    the newest only (`last`: prefills and draft steps need no more; greedy's `logits_to_keep=1`).
+
+    `gemv_aten` (measure.gemv=aten): a one-token forward after the prefill runs with oneDNN off, as greedy's
+    batch-1 decode steps do (strategies/decode.py); prefills and multi-token forwards keep oneDNN, as there.
+    """
+    n = len(ids)
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    pos = torch.arange(start, start + n, device=device)
+    mask = torch.ones((1, start + n), dtype=torch.long, device=device)
+    with OneDnnOff() if gemv_aten and n == 1 and start > 0 else contextlib.nullcontext():
+        out = model(input_ids=x, attention_mask=mask, position_ids=pos[None], cache=cache, cache_position=pos,
+                    use_cache=True, logits_to_keep=1 if last else n)
+    return out.logits[0]
+
+
+def crop_to(cache: Any, have: int, keep: int) -> None:
+    """Drop the newest `have - keep` entries (transformers 5 `crop` takes a negative count)."""
+    if have > keep:
+        cache.crop(keep - have)
+
+
+class ModelDrafter:
+    """Greedy proposals from a draft model with its own KV cache (rolled back like the target's)."""
+
+    def __init__(self, model: Any, device: str, gemv_aten: bool = False):
+        self.model, self.device, self.gemv_aten = model, device, gemv_aten  # gemv_aten: see run_forward
+        self.cache: Any = None
+        self.n = 0  # tokens held in the draft cache
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache, self.n = DynamicCache(config=self.model.config), 0
+
+    def propose(self, seq: list[int], k: int) -> list[int]:
+        out: list[int] = []
+        ids = seq[self.n:]  # the first call prefills the whole prompt; later ones feed 1-2 tokens
+        for _ in range(k):
+            logits = run_forward(self.model, ids, self.n, self.cache, self.device, last=True,
+                                 gemv_aten=self.gemv_aten)
+            self.n += len(ids)
+            ids = [int(logits[-1].argmax())]
+            out.append(ids[0])
+        return out  # the cache now holds seq + out[:-1]
+
+    def rollback(self, keep: int) -> None:
+        crop_to(self.cache, self.n, keep)
+        self.n = min(self.n, keep)
+
+
+@dataclass
+class LookupDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens, propose what followed."""
+
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, seq: list[int], k: int) -> list[int]:
+        for n in range(min(self.ngram_max, len(seq) - 1), self.ngram_min - 1, -1):
+            tail = seq[-n:]
+            for j in range(len(seq) - n - 1, -1, -1):
+                if seq[j: j + n] == tail:
+                    return seq[j + n: j + n + k]
+        return []
+
+    def rollback(self, keep: int) -> None:
+        pass
