@@ -64,6 +64,11 @@ class Strategy:
     def preflight(self) -> None:
         """Cheap checks before any model loads (e.g. draft tokenizer compatibility)."""
 
+    def side_model(self) -> tuple[Any, Any] | None:
+        """(model source or None for the target's, quantizer) of a model `setup` loads beside the target (e.g. a
+        draft model), for the memory estimate before anything loads (harness/measure/memory.py); None: none."""
+        return None
+
     def setup(self, *, model: Any, tokenizer: Any, opts: DecodeOptions, experiment: Any) -> None:
         """Load what the strategy needs besides the target (e.g. a draft model)."""
 

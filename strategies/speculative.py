@@ -219,12 +219,15 @@ class Speculative(Strategy):
         if self.draft_quantizer is not None:
             self.draft_quantizer.preflight(resolve_device(getattr(self, "_device", "auto")))
 
+    def side_model(self) -> tuple[Any, Any] | None:
+        return (self.draft_source(), self.draft_quantizer or Dtype()) if self.draft == "model" else None
+
     def setup(self, *, model: Any, tokenizer: Any, opts: DecodeOptions, experiment: Any) -> None:
         if self.draft == "prompt_lookup":
             self._drafter = LookupDrafter(self.ngram_max, self.ngram_min)
             return
-        source = self.draft_source() or experiment.model
-        quantizer = self.draft_quantizer or Dtype()
+        source, quantizer = self.side_model()
+        source = source or experiment.model
         t0 = now()
         draft = quantizer.load(source, tokenizer=tokenizer, device=opts.device, experiment=experiment)
         audit = quantizer.audit(draft)

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.measure import Generation
+from harness.config import build
+from harness.measure import Generation, memory
 from harness.models import TinyRandom, load_pretrained
 from strategies.base import DecodeOptions
 from strategies.continuous_batch import ContinuousBatch
@@ -185,4 +186,27 @@ def test_gemv_aten_one_row_forwards_run_as_greedy_steps_do(target, bf16_draft):
     one_row = [on for n, start, _, on in calls if n == 1 and start > 0]
     assert one_row and not any(one_row) and sum(c[0] == 1 for c in spy.calls["draft"]) > 0
     assert all(on for n, start, _, on in calls if n > 1 or start == 0)
+
+
+def test_the_memory_estimate_counts_the_draft_model(compose, monkeypatch):
+    monkeypatch.setattr(memory, "runtime_bytes", lambda device: 1.0e8)  # RSS now: pinned, the totals compare
+
+    def estimate(*extra):
+        exp = build(compose(["model=tiny_random", "quantizer=fp32", "accuracy.enabled=false", *extra]))
+        exp.engine.preflight(exp, "cpu")
+        return exp, memory.transformers_estimate(exp, "cpu")
+
+    greedy_exp, greedy = estimate()
+    _, lookup = estimate("strategy=speculative", "strategy.draft=prompt_lookup")
+    exp, same = estimate("strategy=speculative", "quantizer@strategy.draft_quantizer=fp32")
+    _, half = estimate("strategy=speculative")  # the default bf16 draft: half the target's bytes
+    assert "draft weights" not in greedy.parts and "draft weights" not in lookup.parts
+    assert same.parts["draft weights"] == greedy.parts["weights"] > 0
+    assert same.parts["draft KV cache"] == greedy.parts["KV cache"] > 0  # batch 1 both
+    assert half.parts["draft weights"] == pytest.approx(greedy.parts["weights"] / 2)
+    assert same.total == pytest.approx(greedy.total + greedy.parts["weights"] + greedy.parts["KV cache"])
+    monkeypatch.setattr(memory, "available_bytes", lambda device: ((greedy.total + same.total) / 2, "MemAvailable"))
+    assert memory.check(greedy_exp, "cpu") is not None  # the target alone fits; with its draft it does not
+    with pytest.raises(memory.DoesNotFit):
+        memory.check(exp, "cpu")
 

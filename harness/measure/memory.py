@@ -12,6 +12,9 @@ estimate adds up, in bytes:
   random model is built and quantized layer by layer: harness/models/random_model.py) or a float32 copy of the
   largest tensor (per-tensor conversion in `from_pretrained`, llama.cpp's quantizer);
 - KV cache at the run's batch and context (depth + prompt + new tokens; llama.cpp: its n_ctx in f16);
+- a model the strategy loads beside the target (`Strategy.side_model()`: speculative decoding's draft): its
+  weights, counted as the target's are (its source, its quantizer's bits), and its KV cache at batch 1; its
+  quantizing transient when larger than the target's (the two loads follow each other);
 - activations and logits (batch x prompt x widths, batch x vocabulary);
 - the accuracy pass: its logits, and the float32 reference model, which is loaded and freed *before* the
   run's model (so the peak is the larger of the two phases, not their sum).
@@ -186,26 +189,55 @@ def weight_bytes(counts: Counts, load_bytes: int, bits: float) -> float:
     return counts.layer_params * bits / 8 + (counts.params - counts.layer_params) * load_bytes
 
 
-def transformers_estimate(exp: Any, device: str) -> Estimate | None:
-    counts = model_counts(exp.model)
-    if counts is None:
-        return None
-    q = backend_of(exp.quantizer)
-    load = q.load_dtype(exp.model.dtype)
+def stored(quantizer: Any, model_dtype: str) -> tuple[Any, str, int, float]:
+    """(the quantizer that runs, load dtype, its bytes per value, stored bits per decoder-layer weight)."""
+    q = backend_of(quantizer)
+    load = q.load_dtype(model_dtype)
     fb = DTYPE_BYTES.get(load, 4)
-    bits = min(float(q.max_bits_per_weight), 8.0 * fb) if q.quantizes else 8.0 * fb
-    batch, positions = int(getattr(exp.strategy, "batch_size", 1) or 1), context_positions(exp.measure)
-    prompt = positions - exp.measure.max_new_tokens
-    parts = {
-        "runtime": runtime_bytes(device),
+    return q, load, fb, min(float(q.max_bits_per_weight), 8.0 * fb) if q.quantizes else 8.0 * fb
+
+
+def model_parts(counts: Counts, q: Any, fb: int, bits: float, batch: int, positions: int) -> dict[str, float]:
+    """A loaded model's weights, its load transient and its KV cache."""
+    return {
         "weights": weight_bytes(counts, fb, bits),
         # quantizing: one float layer + the quantizer's fp32 work copy of its largest matrix; else one tensor
         # converted on its way in (from_pretrained) -- the random model's in-memory build needs not even that
         "transient": (counts.largest_layer * fb + counts.largest_layer_tensor * 8.0 if q.quantizes
                       else counts.largest_tensor * fb),
         "KV cache": batch * counts.layers * 2 * counts.kv_heads * counts.head_dim * fb * positions,
+    }
+
+
+def side_parts(exp: Any, positions: int) -> dict[str, float]:
+    """The model the strategy loads beside the target (speculative's draft), at batch 1; {} when none."""
+    side = getattr(exp.strategy, "side_model", lambda: None)()
+    if side is None:
+        return {}
+    source = side[0] if side[0] is not None else exp.model
+    counts = model_counts(source)
+    if counts is None:
+        return {}
+    q, _, fb, bits = stored(side[1], source.dtype)
+    return {f"draft {k}": v for k, v in model_parts(counts, q, fb, bits, 1, positions).items()}
+
+
+def transformers_estimate(exp: Any, device: str) -> Estimate | None:
+    counts = model_counts(exp.model)
+    if counts is None:
+        return None
+    q, load, fb, bits = stored(exp.quantizer, exp.model.dtype)
+    batch, positions = int(getattr(exp.strategy, "batch_size", 1) or 1), context_positions(exp.measure)
+    prompt = positions - exp.measure.max_new_tokens
+    parts = {
+        "runtime": runtime_bytes(device),
+        **model_parts(counts, q, fb, bits, batch, positions),
         "activations": batch * (prompt * (8 * counts.hidden + 3 * counts.intermediate) * 4 + counts.vocab * 8),
     }
+    draft = side_parts(exp, positions)
+    if draft:  # loaded after the target: the larger of the two load transients, never both at once
+        parts["transient"] = max(parts["transient"], draft.pop("draft transient"))
+        parts.update(draft)
     phases = {}
     acc = exp.accuracy
     if acc.enabled:
@@ -221,7 +253,7 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
         # quantizers/rows8.py re-lays bf16 linears in gemv16t's tiles; a tied head gets its own copy
         parts["tied head copy (rows8 tiles)"] = counts.vocab * counts.hidden * 2.0
     est = Estimate(parts=parts, where="GPU memory" if device.startswith("cuda") else "RAM", phases=phases)
-    fixed = parts["runtime"] + parts["KV cache"] + parts["activations"]
+    fixed = parts["runtime"] + parts["KV cache"] + parts["activations"] + sum(draft.values())
     int_peak = counts.largest_layer * 2 + counts.largest_layer_tensor * 8.0  # one bf16 layer + a fp32 work copy
     est.alternatives = [
         ("quantizer=int4 (quantized layer by layer)", fixed + weight_bytes(counts, 2, 5.5) + int_peak),
