@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,6 +25,11 @@ class DecodeOptions:
     choose: Any = None  # check-only hook (logits, token index) -> next tokens; None = greedy argmax
     context: Any = None  # strategies.decode.DepthContext: measure.context_depth tokens in the cache before a prompt
     gemv_aten: bool = False  # measure.gemv=aten: batch-1 decode steps run with oneDNN off (harness/measure/paths.py)
+    unmetered: Any = None  # () -> context: the energy meter pauses inside (harness/run/pipeline.py); None: no meter
+
+    def off_meter(self) -> contextlib.AbstractContextManager:
+        """Run work beside what a strategy measures (speculative's greedy reference) in this: not metered."""
+        return self.unmetered() if self.unmetered is not None else contextlib.nullcontext()
 
 
 @dataclass

@@ -14,7 +14,8 @@ logits they read only (a prefill, target's or draft's: the last position, as gre
 `measure.gemv=aten` a one-token forward after a prefill runs with oneDNN off, as greedy's decode steps do.
 
 Every generate call also runs plain greedy on the same prompt with the same target, and
-`speedup_vs_greedy` compares the two timings side by side. The order alternates (`greedy_first`):
+`speedup_vs_greedy` compares the two timings side by side (the reference runs off the energy meter, and the
+speculative Generation's times never include it). The order alternates (`greedy_first`):
 whichever runs second finds the weights and the target's code paths warm in the CPU caches, so a fixed
 order would favour one side. Each prompt alternates across its calls (warmup and repetitions) and
 consecutive prompts start on opposite orders; `greedy_first_fraction` records the balance.
@@ -242,11 +243,15 @@ class Speculative(Strategy):
         if len(batch) != 1:
             raise QuantbenchError("strategy=speculative runs batch 1 (one prompt per call)")
         greedy_first = self.greedy_first(batch[0])
+        # the reference work (greedy, its near-tie replay) runs off the energy meter: the run's energy is the
+        # speculative calls', over their tokens (spec's own times never include it)
         if greedy_first:
-            ref = greedy_generate(model, batch, opts)
+            with opts.off_meter():
+                ref = greedy_generate(model, batch, opts)
         spec = speculative_generate(model, batch[0], opts, self._drafter, self.num_draft_tokens)
         if not greedy_first:
-            ref = greedy_generate(model, batch, opts)
+            with opts.off_meter():
+                ref = greedy_generate(model, batch, opts)
         got, want = spec.sequences[0], ref.sequences[0]
         flips, gap = 0, 0.0
         if got != want:
@@ -255,7 +260,8 @@ class Speculative(Strategy):
                      f"(greedy {want[at:at + 3]}, speculative {got[at:at + 3]})")
             if self.match == "strict":
                 raise QuantbenchError(f"{where} (strategy.match=strict); {tie_note(model, batch[0], want, at)}")
-            flips, gap = near_tie.replay(lambda: greedy_generate(model, batch, opts), opts, [got])
+            with opts.off_meter():
+                flips, gap = near_tie.replay(lambda: greedy_generate(model, batch, opts), opts, [got])
             if gap > near_tie.NEAR_TIE_ULPS:
                 raise QuantbenchError(f"{where}: plain greedy scores a speculative token {gap:.1f} ulps below its top "
                                       f"choice (more than the {near_tie.NEAR_TIE_ULPS:g} a rounding flip of a near-tie "

@@ -265,6 +265,11 @@ def test_energy_is_absent_without_a_counter_and_computed_from_rapl(tmp_path, mon
     meter.record(meter.stop(), 10, metrics, tags)
     assert metrics == {"energy_j": pytest.approx(5.0), "energy_j_per_token": pytest.approx(0.5)}
     assert tags == {"energy.method": "rapl", "energy.domains": "intel-rapl:0"}
+    meter.start()
+    with meter.paused():  # work beside what is measured (speculative's greedy reference): left out
+        (pkg / "energy_uj").write_text("1000000")  # wrapped inside the pause: 997 J not metered
+    (pkg / "energy_uj").write_text("3000000")
+    assert meter.stop() == pytest.approx(2.0)
 
 
 def test_energy_on_cuda_reads_nvml_or_says_why_not(monkeypatch):

@@ -3,6 +3,7 @@ the mismatched-tokenizer error, and every shipped strategy YAML end to end on th
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -251,8 +252,10 @@ def test_bf16_near_tie_flip_is_counted_not_failed(tie):
     target, prompt, draft, _ = tie
     strategy = Speculative(draft="model", num_draft_tokens=3)
     strategy._drafter = draft
-    opts = DecodeOptions(max_new_tokens=12)
+    paused: list[int] = []  # the energy meter's pauses: the greedy reference and its near-tie replay
+    opts = DecodeOptions(max_new_tokens=12, unmetered=lambda: contextlib.nullcontext(paused.append(1)))
     gen = strategy.generate(target, [prompt], opts)
+    assert len(paused) == 2
     assert gen.sequences[0] != greedy_generate(target, [prompt], opts).sequences[0]
     assert opts.choose is None  # the replay hook is removed again
     m = strategy.metrics([gen])

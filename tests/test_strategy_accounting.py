@@ -4,7 +4,9 @@ request it counts (prefix sharing off unless asked for)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -210,3 +212,53 @@ def test_the_memory_estimate_counts_the_draft_model(compose, monkeypatch):
     with pytest.raises(memory.DoesNotFit):
         memory.check(exp, "cpu")
 
+
+def test_the_greedy_reference_is_neither_metered_nor_timed(target, tmp_path, monkeypatch):
+    """Pipeline.timed meters the speculative work only: the greedy reference runs with the energy meter paused (a
+    fake RAPL counter gains 1 J per target forward), and the Generation's times never include it."""
+    import strategies.speculative as spec
+    from harness.measure import energy
+    from harness.run import pipeline
+
+    pkg = tmp_path / "intel-rapl:0"
+    pkg.mkdir()
+    (pkg / "energy_uj").write_text("0")
+    forwards = {"spec": 0, "greedy": 0}
+    phase = {"now": "spec"}
+
+    def tick(*args):
+        forwards[phase["now"]] += 1
+        (pkg / "energy_uj").write_text(str(int((pkg / "energy_uj").read_text()) + 1_000_000))
+
+    def greedy(*args, **kwargs):
+        phase["now"] = "greedy"
+        time.sleep(0.1)  # a slow reference: in the timed call's wall clock, not in the Generation's times
+        try:
+            return real_greedy(*args, **kwargs)
+        finally:
+            phase["now"] = "spec"
+
+    real_greedy = spec.greedy_generate
+    monkeypatch.setattr(spec, "greedy_generate", greedy)
+    monkeypatch.setattr(pipeline, "EnergyMeter", lambda device: energy.EnergyMeter(device, powercap=tmp_path))
+    handle = target.register_forward_pre_hook(tick)
+    strategy = Speculative(draft="prompt_lookup", num_draft_tokens=3)
+    strategy.setup(model=target, tokenizer=None, opts=DecodeOptions(), experiment=None)
+    pipe = pipeline.Pipeline.__new__(pipeline.Pipeline)
+    pipe.device, pipe.metrics, pipe.tags, pipe._meter, pipe.batches = "cpu", {}, {}, None, [[[9, 10, 11, 9, 10]]]
+    opts = DecodeOptions(max_new_tokens=8, unmetered=pipe.unmetered)
+    pipe.opts, pipe.opts_for = opts, lambda batch: opts
+    pipe.exp = SimpleNamespace(measure=SimpleNamespace(repetitions=1, stop_at_eos=False))
+    pipe.workload = SimpleNamespace(kind="text", limits=[8])
+    pipe.session = SimpleNamespace(timing=contextlib.nullcontext, after_timing=lambda *a: ({}, {}),
+                                   generate=lambda batch, o: strategy.generate(target, batch, o))
+    try:
+        t0 = time.perf_counter()
+        (gen,) = pipe.timed()
+        wall = time.perf_counter() - t0
+    finally:
+        handle.remove()
+    assert forwards["greedy"] == 8 and forwards["spec"] >= 2  # greedy: prefill + 7 steps
+    assert pipe.metrics["energy_j"] == pytest.approx(forwards["spec"])  # was spec + greedy forwards
+    assert gen.e2e_s <= wall - 0.1 and gen.decode_wall_s <= gen.e2e_s
+    assert isinstance(pipe.unmetered(), contextlib.nullcontext)  # no meter outside the timed repetitions

@@ -10,14 +10,17 @@
 
 Engines wrap their timed repetitions in an `EnergyMeter`; the run records tag `energy.method` (nvml, rapl,
 none; with `energy.why` for none) and, when measured, metrics `energy_j` (the timed passes) and
-`energy_j_per_token` (over the tokens those passes generated, prefill's first token included).
+`energy_j_per_token` (over the tokens those passes generated, prefill's first token included). Work a strategy
+does beside what it measures (speculative decoding's plain-greedy reference and its near-tie replay) runs in
+`paused()`: the counter's advance over it is left out, as exactly as the counter's update interval allows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 POWERCAP = Path("/sys/class/powercap")
@@ -66,6 +69,7 @@ class EnergyMeter:
     def __init__(self, device: str, powercap: str | Path = POWERCAP) -> None:
         self.method, self.why, self.domains = "none", "", []
         self._start: float | list[int] | None = None
+        self._paused: list[tuple[float | list[int], float | list[int]]] = []  # counter readings around paused()
         self._read_mj: Callable[[], float] | None = None
         self._read_uj: Callable[[], list[int]] | None = None
         if device.startswith("cuda"):
@@ -81,24 +85,46 @@ class EnergyMeter:
         else:
             self.why = f"no readable RAPL counter under {root}"
 
-    def start(self) -> None:
-        self._start = self._read_mj() if self._read_mj else (self._read_uj() if self._read_uj else None)
+    def _read(self) -> float | list[int] | None:
+        return self._read_mj() if self._read_mj else (self._read_uj() if self._read_uj else None)
 
-    def stop(self) -> float | None:
-        """Joules since `start()`; None when no counter is readable."""
+    def start(self) -> None:
+        self._start, self._paused = self._read(), []
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """What runs inside is not metered: `stop()` leaves out the counter's advance over it."""
         if self._start is None:
-            return None
+            yield
+            return
+        before = self._read()
+        try:
+            yield
+        finally:
+            self._paused.append((before, self._read()))
+
+    def _joules(self, a: float | list[int], b: float | list[int]) -> float | None:
         if self._read_mj is not None:
-            return (self._read_mj() - float(self._start)) / 1e3
-        end, total = self._read_uj(), 0
-        for d, a, b in zip(self.domains, self._start, end, strict=True):
-            if b < a:  # the counter wrapped around
+            return (float(b) - float(a)) / 1e3
+        total = 0
+        for d, x, y in zip(self.domains, a, b, strict=True):
+            if y < x:  # the counter wrapped around
                 try:
-                    b += int((d / "max_energy_range_uj").read_text())
+                    y += int((d / "max_energy_range_uj").read_text())
                 except (OSError, ValueError):
                     return None
-            total += b - a
+            total += y - x
         return total / 1e6
+
+    def stop(self) -> float | None:
+        """Joules since `start()`, less those spent in `paused()`; None when no counter is readable."""
+        if self._start is None:
+            return None
+        spans = [(self._start, self._read()), *self._paused]
+        joules = [self._joules(a, b) for a, b in spans]
+        if any(j is None for j in joules):
+            return None
+        return joules[0] - sum(joules[1:])
 
     def record(self, joules: float | None, tokens: float, metrics: dict, tags: dict) -> None:
         """Tag `energy.method` always; metrics only when measured (absent, never estimated, otherwise)."""

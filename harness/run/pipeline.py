@@ -22,6 +22,7 @@ for its blocks, `accuracy()` and `greedy_tokens()`, `close()`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -105,6 +106,7 @@ class Pipeline:
         self.batches: list[list[list[int]]] = []
         self.opts_for: Any = None
         self._greedy: list[list[int]] | None = None
+        self._meter: EnergyMeter | None = None  # running during the timed repetitions
         self._decoding = False  # the strategy is set up (prepare) and not yet torn down (end_decoding)
 
     # ------------------------------------------------------------------------------------------- phases
@@ -140,7 +142,7 @@ class Pipeline:
         self.opts = DecodeOptions(device=self.device, max_new_tokens=wl.max_new_tokens,
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                   stop_at_eos=m.stop_at_eos, inject_slowdown=m.inject_slowdown,
-                                  inject_work=m.inject_work, cache=m.cache,
+                                  inject_work=m.inject_work, cache=m.cache, unmetered=self.unmetered,
                                   gemv_aten=getattr(getattr(exp, "decode_choice", None), "gemv", "") in ("aten", "rows8"))
         self.batches = exp.strategy.batches(wl.prompts)
         self._add(self.session.prepare(self.opts, wl, self.batches, self.log_file))
@@ -160,11 +162,14 @@ class Pipeline:
 
     def timed(self) -> list[Generation]:
         """The timed repetitions (every batch, in order, `measure.repetitions` times) under the energy meter."""
-        meter = EnergyMeter(self.device)  # NVML on CUDA, RAPL on CPU where readable (harness/measure/energy.py)
+        self._meter = meter = EnergyMeter(self.device)  # NVML on CUDA, RAPL on CPU where readable (energy.py)
         meter.start()
-        with self.session.timing():
-            gens = [self.session.generate(batch, self.opts_for(batch))
-                    for _ in range(self.exp.measure.repetitions) for batch in self.batches]
+        try:
+            with self.session.timing():
+                gens = [self.session.generate(batch, self.opts_for(batch))
+                        for _ in range(self.exp.measure.repetitions) for batch in self.batches]
+        finally:
+            self._meter = None
         joules = meter.stop()
         self._add(self.session.after_timing(self.batches, self.opts, gens))
         self.metrics.update(measure.summarize(gens, batches=len(self.batches)))
@@ -261,6 +266,11 @@ class Pipeline:
             task_metrics, task_tags = task_accuracy.score(lm, self.task_plan, self.exp.accuracy)
         self.metrics.update(task_metrics)
         self.tags.update(task_tags)
+
+    def unmetered(self) -> contextlib.AbstractContextManager:
+        """`DecodeOptions.unmetered`: a strategy's work beside what it measures (speculative's greedy reference)
+        pauses the energy meter of the timed repetitions; elsewhere (warm-up, the gate's blocks) no meter runs."""
+        return self._meter.paused() if self._meter is not None else contextlib.nullcontext()
 
     def info(self) -> dict[str, Any]:
         """Who measured what: run name, device, threads, torch version, engine, config."""
