@@ -21,17 +21,15 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 from harness.config import build, register_configs
 from harness.errors import QuantbenchError
 from harness.measure import memory
+from harness.options import KINDS, unknown_key
 from harness.records import tracking
 from harness.records.results import summary_line
 from harness.run import runner
 from harness.sweep.settings import planned_cells
-from harness.targets import fields_of
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 HYDRA_RUN_FLAGS = ("-m", "--multirun")  # other Hydra flags (--help, --cfg, --info, -c ...) skip the precheck
 GROUPS = ("model", "quantizer", "strategy", "engine")
-KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-         "int | None": "an integer or null", "list[str]": "a list in brackets, e.g. '[a,b]'"}
 
 
 def _compose(overrides: list[str], hydra: bool = False) -> DictConfig:
@@ -57,9 +55,11 @@ def compose_problem(exc: BaseException, overrides: list[str]) -> str:
         if not allowed and section in GROUPS:  # an option's own keys: those of the class it names
             rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
             try:
-                target = _compose(rest)[section]["_target_"]
-                allowed = ", ".join(fields_of(target))
-                key = f"{key} ({target.rsplit('.', 1)[-1]})"
+                parent, name = str(key).rsplit(".", 1)
+                node = _compose(rest)
+                for part in parent.split("."):  # strategy.draft_quantizer.x: the nested option's class
+                    node = node[part]
+                return unknown_key(parent, name, node["_target_"], value)
             except Exception:  # noqa: BLE001 - only enriches the message
                 pass
         return f"{key} is not a known key" + (f"; allowed: {allowed}" if allowed else "")

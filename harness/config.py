@@ -4,7 +4,8 @@ The top-level schema (`RunConfig`) and the fixed sections (measure, accuracy, tr
 dataclasses registered in Hydra's ConfigStore, so an unknown key or a wrong type fails at compose time.
 The model, quantizer, strategy and engine groups hold different classes per option, so (as Hydra 1.3
 recommends) they are typed `Any` here and validated by instantiating them: each option's YAML names a
-plain class through `_target_`, and that class's `__post_init__` checks its own values.
+plain class through `_target_`, its node is checked against that class's fields (harness/options.py), and the
+class's `__post_init__` checks its own values.
 
 `validate(cfg)` builds every piece (cheap: no model is loaded), collects all problems and raises one
 `ConfigError` listing them, before anything expensive starts.
@@ -15,21 +16,19 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from harness.analysis import corpus, task_accuracy, tasks
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.load.config import LoadConfig, SloConfig
 from harness.measure.workloads import context_length, source_problems
+from harness.options import CONF_DIR, instantiate_option, options
 from harness.schema import (
     COMPILE_BACKENDS,
     COMPILE_MATCH,
@@ -43,7 +42,7 @@ from harness.schema import (
     no_password,
     positive,
 )
-from harness.targets import TARGET_PACKAGES, fields_of, target_problem, target_problems
+from harness.targets import TARGET_PACKAGES, target_problem
 
 # names other modules import from here (the schema's constants live in harness/schema.py)
 __all__ = ["COMPILE_BACKENDS", "COMPILE_MATCH", "COMPILE_MODES", "DEVICES", "DTYPES", "TARGET_PACKAGES",
@@ -270,32 +269,6 @@ class Experiment:
     load: LoadConfig = field(default_factory=LoadConfig)  # the resolved config as plain data (params, config hash, child processes)
 
 
-def _instantiate(section: str, node: Any, problems: list[str]) -> Any:
-    if node is None or not isinstance(node, dict) or "_target_" not in node:  # `~model` leaves a '???' string
-        problems.append(f"{section}: no option chosen; pick one with {section}=<option> (see conf/{section}/)")
-        return None
-    if (bad := target_problems(section, node)):
-        problems.extend(bad)
-        return None
-    try:
-        return instantiate(node, _convert_="all")
-    except InstantiationException as exc:  # unwrap to the class's own one-line message
-        cause = exc.__cause__ or exc
-        if isinstance(cause, ConfigError):
-            problems.extend(cause.problems)
-        elif isinstance(cause, TypeError) and "unexpected keyword argument" in str(cause):
-            key = str(cause).rsplit("argument", 1)[-1].strip(" '")
-            target = node.get("_target_", "?")
-            allowed = fields_of(target)
-            problems.append(f"{section}.{key} is not a known key for {target.rsplit('.', 1)[-1]}; "
-                            f"allowed: {', '.join(allowed)}")
-        else:
-            problems.append(f"{section}: {cause}")
-    except ConfigError as exc:
-        problems.extend(exc.problems)
-    return None
-
-
 def _section(cls: type, node: Any, problems: list[str]) -> Any:
     try:
         return cls(**(node or {}))
@@ -324,7 +297,7 @@ def build(cfg: DictConfig | dict) -> Experiment:
         if key not in {f.name for f in dataclasses.fields(RunConfig)}:
             problems.append(f"unknown top-level key {key!r}; allowed: "
                             + ", ".join(f.name for f in dataclasses.fields(RunConfig)))
-    parts = {s: _instantiate(s, plain.get(s), problems) for s in ("model", "quantizer", "strategy", "engine")}
+    parts = {s: instantiate_option(s, plain.get(s), problems) for s in ("model", "quantizer", "strategy", "engine")}
     measure = _section(MeasureConfig, plain.get("measure"), problems)
     accuracy = _section(AccuracyConfig, plain.get("accuracy"), problems)
     tracking = _section(TrackingConfig, plain.get("tracking"), problems)
@@ -347,7 +320,6 @@ def build(cfg: DictConfig | dict) -> Experiment:
                       name=plain.get("name") or "", config=plain, **parts)
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 CHOICE_GROUPS = ("model", "quantizer", "strategy", "engine", "experiment", "workload", "size", "format", "gpu_format")
 
 
@@ -362,7 +334,7 @@ def group_choice_problem(argv: list[str]) -> str | None:
         key = key.lstrip("+~")
         if key not in CHOICE_GROUPS or value.startswith(("choice(", "range(", "glob(")):
             continue
-        allowed = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+        allowed = options(key)
         for choice in value.split(","):
             if choice and choice not in allowed:
                 return f"{key}={choice!r} is not an option; choose one of: {', '.join(allowed)}"

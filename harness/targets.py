@@ -74,13 +74,19 @@ def target_problems(section: str, node: Any) -> list[str]:
     return []
 
 
-def fields_of(target: str) -> list[str]:
-    """The public fields of the class `target` names ([] when it is not allowed or not a dataclass)."""
-    if target_problem("_target_", target):  # never import what the allow-list refuses, not even for a message
-        return []
+def target_class(target: Any) -> type | None:
+    """The dataclass `target` names (None when it is not allowed, cannot be imported or is not a dataclass)."""
+    if not isinstance(target, str) or target_problem("_target_", target):  # never import what the allow-list refuses
+        return None
     mod, _, name = target.rpartition(".")
     try:
         cls = getattr(importlib.import_module(mod), name)
-        return [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
-    except Exception:  # noqa: BLE001 - only used to enrich an error message
-        return []
+    except Exception:  # noqa: BLE001 - only used to check values and enrich error messages
+        return None
+    return cls if dataclasses.is_dataclass(cls) else None
+
+
+def fields_of(target: str) -> list[str]:
+    """The public fields of the class `target` names ([] when it is not allowed or not a dataclass)."""
+    cls = target_class(target)
+    return [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")] if cls else []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from harness.errors import QuantbenchError, Unsupported
 from harness.models import load_pretrained
@@ -172,8 +172,9 @@ class Quantizer:
     max_bits_per_weight = 32.0  # audit: stored bits/weight over targeted linears must not exceed this
     min_bits_per_weight = 0.0  # audit: and not fall below this (catches a dtype baseline that is wrong)
     quantizes = False  # True for real quantizers: every targeted linear must hold quantized weights
-    skip_modules: tuple[str, ...] = ("lm_head",)  # tied to the embedding; usual quantizers leave it
-    devices: tuple[str, ...] = ("cpu", "cuda")
+    # what the backend does, not options (ClassVar: no config key, not in the allowed keys an error lists)
+    skip_modules: ClassVar[tuple[str, ...]] = ("lm_head",)  # tied to the embedding; usual quantizers leave it
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # an instance may narrow it (GPTQ's AWQ: cuda only)
     instead = "quantizer=bf16"  # what to suggest when this one cannot run here
     compilable = True  # torch.compile can trace its matmuls (False: measure.compile=true fails before loading)
     # its eager linear dequantizes the whole weight and then multiplies, a path only a compile fuses (torchao int8):

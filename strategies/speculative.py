@@ -34,7 +34,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from harness import gguf_meta
 from harness.errors import ConfigError, QuantbenchError, one_of
@@ -159,6 +159,9 @@ class Speculative(Strategy):
     """Speculative decoding with greedy verification (see module docstring)."""
 
     weight_dependent = "the draft's acceptance rate (and the speedup that follows from it)"
+    # fields that hold a nested option, picked as `group@strategy.field=<option>` (+: not in this YAML's defaults);
+    # a plain name there is refused at config time (harness/options.py)
+    nested_options: ClassVar[dict[str, str]] = {"draft_model": "+model", "draft_quantizer": "quantizer"}
 
     draft: str = "model"  # model | prompt_lookup
     num_draft_tokens: int = 4  # tokens proposed per verification step

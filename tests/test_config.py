@@ -73,7 +73,7 @@ def test_unknown_key_in_a_group_option_lists_allowed_keys(compose):
     with pytest.raises(ConfigError) as info:
         build(compose(["model=tiny_random", "+model.hidden=3"]))
     msg = str(info.value)
-    assert "model.hidden is not a known key" in msg and "hidden_size" in msg
+    assert "model.hidden (TinyRandom) is not a known key; allowed: " in msg and "hidden_size" in msg
 
 
 def test_missing_gguf_file_says_so_before_loading(compose):
