@@ -30,6 +30,7 @@ from harness.sweep.settings import planned_cells
 CONF = Path(__file__).resolve().parent.parent / "conf"
 HYDRA_RUN_FLAGS = ("-m", "--multirun")  # other Hydra flags (--help, --cfg, --info, -c ...) skip the precheck
 GROUPS = ("model", "quantizer", "strategy", "engine")
+LOCAL_LAUNCHERS = ("BasicLauncher", "LocalLauncher", "JoblibLauncher")  # cells on this machine (its cores)
 
 
 def _compose(overrides: list[str], hydra: bool = False) -> DictConfig:
@@ -106,21 +107,32 @@ def precheck(argv: list[str]) -> str | None:
     if multirun:
         cfg.hydra.overrides.task = overrides
         cells = planned_cells(cfg.hydra) or [base]  # another sweeper: validate what composes without it
+    cores = launcher_cores(cfg.hydra.launcher) if multirun else None
     for cell in cells:
-        if (problem := validate(cell)):
+        if (problem := validate(cell, cores)):
             label = ",".join(o for o in cell if o not in base) or "default"
             return f"sweep cell {label}: {problem}" if len(cells) > 1 else problem
     return None
 
 
-def validate(overrides: list[str]) -> str | None:
-    """Compose, build and preflight one run's config (nothing loads); its problem as one line, or None."""
+def launcher_cores(launcher: DictConfig) -> int | None:
+    """The cores a sweep cell will have: None (this machine's) under a local launcher; under one that runs cells
+    elsewhere (SLURM) its cpus_per_task, or 0 (unknown: the cell checks measure.threads on its node)."""
+    if str(launcher.get("_target_", "")).rsplit(".", 1)[-1] in LOCAL_LAUNCHERS:
+        return None
+    cpus = launcher.get("cpus_per_task")
+    return cpus if isinstance(cpus, int) and cpus > 0 else 0
+
+
+def validate(overrides: list[str], cores: int | None = None) -> str | None:
+    """Compose, build and preflight one run's config (nothing loads); its problem as one line, or None.
+    `cores`: those the run will have (harness.config.build)."""
     try:
         cfg = _compose(overrides)
     except Exception as exc:  # noqa: BLE001
         return compose_problem(exc, overrides)
     try:
-        exp = build(cfg)
+        exp = build(cfg, cores)
         exp.model.preflight()  # a missing file, package or hub model (harness/models/hub.py)
         exp.accuracy.preflight()  # a corpus that cannot be read: refused now, not after the timing
     except QuantbenchError as exc:

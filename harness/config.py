@@ -7,13 +7,14 @@ recommends) they are typed `Any` here and validated by instantiating them: each 
 plain class through `_target_`, its node is checked against that class's fields (harness/options.py), and the
 class's `__post_init__` checks its own values.
 
-`validate(cfg)` builds every piece (cheap: no model is loaded), collects all problems and raises one
-`ConfigError` listing them, before anything expensive starts.
+`build(cfg)` builds every piece (cheap: no model is loaded), collects all problems (each section's own, and what
+the chosen pieces cannot do together) and raises one `ConfigError` listing them, before anything expensive starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ from harness.schema import (
     Validated,
     no_password,
     positive,
+    unchecked,
 )
 from harness.targets import TARGET_PACKAGES, target_problem
 
@@ -92,11 +94,8 @@ class MeasureConfig(Validated):
         positive(p, "measure.warmup", self.warmup, allow_zero=True)
         positive(p, "measure.repetitions", self.repetitions)
         positive(p, "measure.max_new_tokens", self.max_new_tokens)
-        positive(p, "measure.threads", self.threads, allow_zero=True)
-        cores = len(os.sched_getaffinity(0))
-        if isinstance(self.threads, int) and not isinstance(self.threads, bool) and self.threads > cores:
-            p.append(f"measure.threads={self.threads} is more than the {cores} cores this process may use (threads "
-                     f"beyond them only wait for a core and slow every step); give 1-{cores}, or 0 for all")
+        positive(p, "measure.threads", self.threads, allow_zero=True)  # against the cores: build(), which knows where
+        positive(p, "measure.cv_warn", self.cv_warn, allow_zero=True)
         positive(p, "measure.inject_slowdown", self.inject_slowdown, allow_zero=True)
         positive(p, "measure.inject_work", self.inject_work, allow_zero=True)
         for err in (one_of("measure.device", self.device, DEVICES),
@@ -288,8 +287,51 @@ def to_plain(cfg: DictConfig | dict) -> dict:
     return dict(cfg)
 
 
-def build(cfg: DictConfig | dict) -> Experiment:
-    """Instantiate and validate every section; raise one ConfigError listing all problems."""
+def cores_problem(threads: Any, cores: int | None) -> str | None:
+    """measure.threads beyond the cores the run will have (`cores`: None = this process's, 0 = unknown)."""
+    where = "this process may use" if cores is None else "each cell gets (hydra.launcher.cpus_per_task)"
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    if cores and isinstance(threads, int) and not isinstance(threads, bool) and threads > cores:
+        return (f"measure.threads={threads} is more than the {cores} cores {where} (threads beyond them only wait "
+                f"for a core and slow every step); give 1-{cores}, or 0 for all")
+    return None
+
+
+def context_check(model: Any, accuracy: Any) -> None:
+    """accuracy.context_length within the model's positions (windows past them score garbage, silently)."""
+    ctx = context_length(model) if accuracy.enabled and model is not None else None
+    if ctx and accuracy.context_length > ctx:
+        raise QuantbenchError(f"accuracy.context_length={accuracy.context_length} is beyond the model's context of "
+                              f"{ctx} positions; give accuracy.context_length <= {ctx}")
+
+
+def cross_problems(parts: dict, measure: Any, accuracy: Any, checked: bool) -> list[str]:
+    """What the pieces cannot do together (each part's `check_with`, the model's context). They run when every
+    part is built, even when a section has problems of its own (`checked` False: `measure`/`accuracy` are then
+    unchecked copies), so one run reports every problem; a check that trips over a bad value adds nothing then:
+    that value is reported already."""
+    built = all(part is not None for part in parts.values())  # a check missing a part would blame the wrong thing
+    checks = [functools.partial(part.check_with, parts=parts, measure=measure, accuracy=accuracy)
+              for part in parts.values() if built and getattr(part, "check_with", None) is not None]
+    problems: list[str] = []
+    for check in [*checks, functools.partial(context_check, parts["model"], accuracy)]:
+        try:
+            check()
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+        except QuantbenchError as exc:
+            problems.append(str(exc))
+        except Exception:  # noqa: BLE001 - only over a section with problems of its own, reported already
+            if checked:
+                raise
+    return problems
+
+
+def build(cfg: DictConfig | dict, cores: int | None = None) -> Experiment:
+    """Instantiate and validate every section; raise one ConfigError listing all problems.
+
+    `cores`: the cores the run will have (measure.threads may not exceed them); None = this process's, 0 =
+    unknown (a cell that a remote launcher starts on another node checks them there)."""
     plain = to_plain(cfg)
     plain.pop("hydra", None)
     problems: list[str] = []
@@ -298,24 +340,20 @@ def build(cfg: DictConfig | dict) -> Experiment:
             problems.append(f"unknown top-level key {key!r}; allowed: "
                             + ", ".join(f.name for f in dataclasses.fields(RunConfig)))
     parts = {s: instantiate_option(s, plain.get(s), problems) for s in ("model", "quantizer", "strategy", "engine")}
-    measure = _section(MeasureConfig, plain.get("measure"), problems)
-    accuracy = _section(AccuracyConfig, plain.get("accuracy"), problems)
-    tracking = _section(TrackingConfig, plain.get("tracking"), problems)
-    load = _section(LoadConfig, plain.get("load"), problems)
-    if not problems:
-        for part in parts.values():  # cross-field checks that need more than one section
-            check = getattr(part, "check_with", None)
-            if check is not None:
-                try:
-                    check(parts=parts, measure=measure, accuracy=accuracy)
-                except QuantbenchError as exc:
-                    problems.append(str(exc))
-        ctx = context_length(parts["model"]) if accuracy.enabled and parts["model"] is not None else None
-        if ctx and accuracy.context_length > ctx:  # windows past the model's positions score garbage, silently
-            problems.append(f"accuracy.context_length={accuracy.context_length} is beyond the model's context of "
-                            f"{ctx} positions; give accuracy.context_length <= {ctx}")
+    own: list[str] = []  # the sections' own problems, listed after what the chosen pieces cannot do together
+    measure = _section(MeasureConfig, plain.get("measure"), own)
+    accuracy = _section(AccuracyConfig, plain.get("accuracy"), own)
+    tracking = _section(TrackingConfig, plain.get("tracking"), own)
+    load = _section(LoadConfig, plain.get("load"), own)
+    if measure is not None and (err := cores_problem(measure.threads, cores)):
+        own.append(err)
+    checked = measure is not None and accuracy is not None
+    # model=random measure.prompts=default: "text prompts need a real model" first, then the
+    # measure.prompt_tokens model=random set, which the prompts make wrong
+    problems += cross_problems(parts, measure or unchecked(MeasureConfig, plain.get("measure")),
+                               accuracy or unchecked(AccuracyConfig, plain.get("accuracy")), checked) + own
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(list(dict.fromkeys(problems)))  # a bad value a cross-check trips over too: said once
     return Experiment(measure=measure, accuracy=accuracy, tracking=tracking, load=load,
                       name=plain.get("name") or "", config=plain, **parts)
 

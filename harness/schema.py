@@ -7,7 +7,9 @@ check their own fields: the arrows point one way, config -> workloads -> models 
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.parse
+from typing import Any
 
 from harness.errors import ConfigError
 
@@ -55,3 +57,13 @@ class Validated:
         found = self.problems()
         if found:
             raise ConfigError(found)
+
+
+def unchecked(cls: type, node: Any) -> Any:
+    """An instance of the dataclass `cls` from `node` without `__post_init__`'s checks (unknown keys dropped): what
+    cross-section checks read of a section whose own problems are reported already (harness/config.py `build`)."""
+    obj, values = cls.__new__(cls), dict(node or {})
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        object.__setattr__(obj, f.name, values.get(f.name, None if default is dataclasses.MISSING else default))
+    return obj

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cache import atomic_dir, cache_root, require_free, short_hash
-from harness.errors import QuantbenchError, one_of
+from harness.errors import QuantbenchError, one_of, raise_if
 from harness.measure.workloads import parse
 from harness.models import ModelSource, torch_dtype
 from harness.models.gguf_export import write_gguf
@@ -170,18 +170,23 @@ class RandomModel(ModelSource):
                            first_id(c.get("pad_token_id")))
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
-        """What random weights cannot measure, refused at config time (module docstring)."""
+        """What random weights cannot measure, refused at config time (module docstring), all at once."""
+        p: list[str] = []
         if accuracy is not None and accuracy.enabled:
-            raise QuantbenchError("model=random has random weights: perplexity and KL on them mean nothing; drop "
-                                  "accuracy.enabled=true (the accuracy pass is off for model=random)")
+            p.append("model=random has random weights: perplexity and KL on them mean nothing; drop "
+                     "accuracy.enabled=true (the accuracy pass is off for model=random)")
         strategy = parts.get("strategy")
         if strategy is not None and getattr(strategy, "weight_dependent", ""):
-            raise QuantbenchError(f"model=random has random weights: strategy={strategy.name} measures "
-                                  f"{strategy.weight_dependent}, which depends on the weight values; use a real "
-                                  "model, or strategy=greedy / static_batch")
+            p.append(f"model=random has random weights: strategy={strategy.name} measures "
+                     f"{strategy.weight_dependent}, which depends on the weight values; use a real "
+                     "model, or strategy=greedy / static_batch")
         if measure is not None:
-            if parse(str(measure.prompts)).kind != "synthetic":
-                raise QuantbenchError(f"{NO_TOKENIZER}; measure.prompts={measure.prompts} is text")
+            try:
+                if parse(str(measure.prompts)).kind != "synthetic":
+                    p.append(f"{NO_TOKENIZER}; measure.prompts={measure.prompts} is text")
+            except QuantbenchError:
+                pass  # a prompt set that is not one: measure.prompts says so itself
+        raise_if(p)
 
     # -------------------------------------------------------------------------------------------- build
     def meta_model(self, dtype: str = "bfloat16") -> Any:
