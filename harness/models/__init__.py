@@ -31,7 +31,7 @@ from harness import gguf_meta
 from harness.cache import atomic_dir, cache_root, file_key, short_hash
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.models import hub, provenance
-from harness.schema import DTYPES
+from harness.schema import DTYPES, positive
 
 
 def torch_dtype(name: str):
@@ -301,13 +301,18 @@ class TinyRandom(ModelSource):
     seed: int = 0
 
     def problems(self) -> list[str]:
-        p = super().problems()
+        p, sizes = super().problems(), []
         for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "max_position_embeddings"):
-            if getattr(self, f) <= 0:
-                p.append(f"model.{f} must be > 0")
-        if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
-            p.append("model.hidden_size must be divisible by model.num_attention_heads")
+            positive(sizes, f"model.{f}", getattr(self, f))
+        if sizes:
+            return p + sizes  # the shapes below need every size a positive number
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if self.hidden_size % heads:
+            p.append(f"model.hidden_size={self.hidden_size} must be divisible by model.num_attention_heads={heads}")
+        if heads % kv:  # grouped-query attention: each KV head serves a whole number of query heads
+            p.append(f"model.num_key_value_heads={kv} must divide model.num_attention_heads={heads}; choose one of: "
+                     + ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0))
         return p
 
     @property
