@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import cgroup
+
 # torch is imported where used: env is read by CLI paths (report, sweep resume keys) that never load a model
 # (tests/test_layout.py, LAZY_OK).
 
@@ -193,7 +195,7 @@ def device_name(device: str) -> str:
 def failure_tags(exp: Any) -> dict[str, str]:
     """machine_tags for a run that ended before it measured (FAILED, OOM, SKIPPED): where it was tried and with what
     libraries, so a failure reads like the OK runs beside it. `exp` is None when the config itself was refused."""
-    threads = (exp.measure.threads if exp is not None else 0) or len(os.sched_getaffinity(0))
+    threads = (exp.measure.threads if exp is not None else 0) or cgroup.usable_cpus()  # as set_threads sets it
     tags = machine_tags("cpu", threads)  # the host; no GPU is asked (a "needs CUDA" cell has none to name)
     if exp is not None:
         tags["device"] = str(exp.measure.device)  # as asked (auto: not resolved)

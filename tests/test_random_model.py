@@ -17,6 +17,7 @@ import torch
 import warm
 from conftest import ROOT
 
+from harness import cgroup
 from harness.analysis import scaling
 from harness.config import build
 from harness.errors import ConfigError, QuantbenchError
@@ -230,11 +231,12 @@ def test_the_fp32_8b_load_is_refused_in_one_line_before_loading(compose, capsys,
 
 
 def test_available_memory_takes_a_cgroup_limit(monkeypatch, tmp_path):
+    """At the mount root (a cgroup namespace); a process's own cgroup below it: tests/test_cgroup.py."""
     (tmp_path / "memory.max").write_text(str(8 * 2**30))
     (tmp_path / "memory.current").write_text(str(3 * 2**30))
     (tmp_path / "memory.stat").write_text(f"anon {2 * 2**30}\ninactive_file {2**30}\n")  # reclaimable: free
-    real = memory.Path
-    monkeypatch.setattr(memory, "Path", lambda p: real(str(p).replace("/sys/fs/cgroup", str(tmp_path))))
+    monkeypatch.setattr(cgroup, "ROOT", tmp_path)
+    monkeypatch.setattr(cgroup, "PROC", tmp_path / "no-proc-file")
     avail, how = memory.available_bytes("cpu")
     import psutil
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import gguf_meta
+from harness import cgroup, gguf_meta
 from harness.analysis import figures
 from harness.analysis.bandwidth import DEVICES, Bandwidth, host_bandwidth, host_key
 from harness.cache import cache_root, short_hash
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     source = "given"
     if a.device:
         if a.device == "host":
-            threads = a.threads or len(os.sched_getaffinity(0))
+            threads = a.threads or cgroup.usable_cpus()
             bw = host_bandwidth("cpu", threads, refresh=a.measure)
             a.bandwidth, source = bw.bytes_per_s, bw.method
         elif a.device in DEVICES:

@@ -16,13 +16,13 @@ import ctypes
 import functools
 import gc
 import math
-import os
 import resource
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from harness import cgroup
 from harness.errors import Unsupported
 
 
@@ -247,9 +247,10 @@ def peak_memory_mb(device: str) -> float:
 
 
 def set_threads(n: int) -> int:
+    """measure.threads, 0: the cores this process may use, capped by its cgroup's CPU quota (harness/cgroup.py)."""
     import torch
 
-    n = n or len(os.sched_getaffinity(0))
+    n = n or cgroup.usable_cpus()
     torch.set_num_threads(n)
     return n
 

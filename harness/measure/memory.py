@@ -19,8 +19,9 @@ estimate adds up, in bytes:
 - the accuracy pass: its logits, and the float32 reference model, which is loaded and freed *before* the
   run's model (so the peak is the larger of the two phases, not their sum).
 
-Available: `psutil.virtual_memory().available`, lowered to the cgroup's limit minus its usage where one is
-set (containers); on CUDA the device's free memory. A run over it raises `DoesNotFit` (an `Unsupported`:
+Available: `psutil.virtual_memory().available`, lowered to what the tightest cgroup limit still allows where
+one is set (containers, Slurm jobs, systemd units: this process's own cgroup and each one above it,
+harness/cgroup.py); on CUDA the device's free memory. A run over it raises `DoesNotFit` (an `Unsupported`:
 a sweep records the cell SKIPPED) with both numbers and a way out. The estimate is recorded as metric
 `mem_estimate_mb` beside the measured `peak_mem_mb` (docs/scaling_models.md compares them).
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from harness import gguf_meta
+from harness import cgroup, gguf_meta
 from harness.analysis.roofline import shape_from_gguf
 from harness.cache import short_hash
 from harness.errors import QuantbenchError, Unsupported
@@ -287,28 +288,6 @@ def llama_cpp_estimate(exp: Any, fmt: str, converted: Path | None, n_ctx: int, n
 
 
 # ---------------------------------------------------------------------------------------------- available
-def _cgroup_left() -> float | None:
-    """Bytes the cgroup (v2, else v1) still allows, or None without a limit. Its inactive page cache counts as
-    free, as in MemAvailable (the kernel drops it before it refuses an allocation)."""
-    for base, limit, usage, cache in (("/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
-                                      ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
-                                       "total_inactive_file")):
-        try:
-            raw = Path(f"{base}/{limit}").read_text().strip()
-            if raw == "max" or int(raw) >= 2**60:
-                return None
-            used = int(Path(f"{base}/{usage}").read_text().strip())
-        except (OSError, ValueError):
-            continue
-        try:
-            stat = dict(line.split() for line in Path(f"{base}/memory.stat").read_text().splitlines() if " " in line)
-            used -= int(stat.get(cache, 0))
-        except (OSError, ValueError):
-            pass
-        return float(int(raw) - used)
-    return None
-
-
 def available_bytes(device: str) -> tuple[float, str]:
     """(bytes available now, where the number comes from)."""
     if device.startswith("cuda"):
@@ -317,7 +296,7 @@ def available_bytes(device: str) -> tuple[float, str]:
         free, _ = torch.cuda.mem_get_info()
         return float(free), "free GPU memory"
     avail, how = float(psutil.virtual_memory().available), "MemAvailable"
-    left = _cgroup_left()
+    left = cgroup.memory_left()
     if left is not None and left < avail:
         avail, how = left, "cgroup limit minus usage"
     return avail, how

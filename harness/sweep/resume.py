@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import cgroup
 from harness.env import REPO, parse_cpuinfo
 from harness.errors import QuantbenchError
 
@@ -117,8 +118,9 @@ def library_versions(quantizer: Any) -> dict[str, str]:
 
 def cell_key(code: str, quantizer: Any, engine: str = "", threads: int = 0) -> dict[str, str]:
     """The resume key of a cell run now, with `code` the sweep's `code_version()`, `engine` its name and `threads`
-    its measure.threads (0: the cores this process may use now, so `taskset` changes the key too)."""
-    key = {"code": code or UNKNOWN, "cpu": cpu_key(), "threads": str(threads or len(os.sched_getaffinity(0))),
+    its measure.threads (0: the cores this process may use now, capped by a cgroup CPU quota as set_threads caps it,
+    so `taskset` changes the key too)."""
+    key = {"code": code or UNKNOWN, "cpu": cpu_key(), "threads": str(threads or cgroup.usable_cpus()),
            **library_versions(quantizer)}
     if engine in ENGINE_LIBRARIES:
         dist = ENGINE_LIBRARIES[engine]
