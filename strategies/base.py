@@ -63,6 +63,11 @@ class Strategy:
     def batch_size(self) -> int:
         return 1
 
+    def kv_positions(self, positions: int) -> int:
+        """KV-cache positions a generate call allocates when each row holds `positions` tokens (the memory
+        estimate's KV cache): one cache of `batch_size` rows by default."""
+        return self.batch_size * positions
+
     def batches(self, prompts: list[list[int]]) -> list[list[list[int]]]:
         """Group the prompt set into generate calls (default: one prompt per call)."""
         return [[p] for p in prompts]

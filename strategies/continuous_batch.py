@@ -20,7 +20,9 @@ on the tiny test model) and static batching, which recomputes every row, lost an
 measures prefix caching on purpose (the run records it as param `strategy.prefix_sharing`).
 
 The paged cache is sized from the requests (`num_blocks=null`): transformers' own sizing assumes a GPU
-and allocates far too much on CPU, which made a 3-request call take ~45 s instead of ~2 s here.
+and allocates far too much on CPU, which made a 3-request call take ~45 s instead of ~2 s here. It holds every
+request's pages from the start (`pages`), so the memory estimate counts them all (`kv_positions`), not one
+batch's rows.
 """
 
 from __future__ import annotations
@@ -84,6 +86,14 @@ class ContinuousBatch(Strategy):
     def batch_size(self) -> int:
         return min(self.max_requests_per_batch, self.requests)  # the most rows a step can hold
 
+    def pages(self, lengths: list[int]) -> int:
+        """KV pages the paged cache is given for requests of `lengths` tokens (prompt + new): `num_blocks`, else
+        every request's own pages at once, plus one each. transformers allocates them all when the call starts."""
+        return self.num_blocks or sum(-(-n // self.page_size) + 1 for n in lengths)
+
+    def kv_positions(self, positions: int) -> int:
+        return self.pages([positions] * self.requests) * self.page_size  # all requests', not one batch's
+
     def preflight(self) -> None:
         try:
             from transformers import ContinuousBatchingConfig  # noqa: F401
@@ -112,8 +122,8 @@ class ContinuousBatch(Strategy):
     def generate(self, model: Any, batch: list[list[int]], opts: DecodeOptions) -> Generation:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        pages = self.num_blocks or sum(-(-(len(p) + opts.max_new_tokens) // self.page_size) + 1 for p in batch)
-        cb = ContinuousBatchingConfig(page_size=self.page_size, num_blocks=pages,
+        cb = ContinuousBatchingConfig(page_size=self.page_size,
+                                      num_blocks=self.pages([len(p) + opts.max_new_tokens for p in batch]),
                                       max_batch_tokens=self.max_batch_tokens,
                                       max_requests_per_batch=self.max_requests_per_batch, auto_switch_to_flash=False,
                                       allow_block_sharing=self.prefix_sharing)

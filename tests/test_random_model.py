@@ -215,6 +215,33 @@ def test_the_estimate_counts_weights_in_the_load_dtype_and_the_quantizer_bits(co
     assert est["bf16"].parts["KV cache"] == 1 * 32 * 2 * 8 * 128 * 2 * (32 + 64)  # batch, layers, K+V, heads, dim, 2 B, prompt + new
 
 
+def test_continuous_batching_counts_the_kv_pages_of_every_request(compose):
+    """transformers' paged cache holds every request's pages from the start (strategies/continuous_batch.py), not
+    one batch's rows: 256 requests of 32 + 256 tokens at the 1B shape are 2.7 GB of KV, not 0.15."""
+    shape = ["model.arch=llama-3.2-1b", "strategy=continuous_batch", "measure.prompt_tokens=32",
+             "measure.max_new_tokens=256"]
+    per_position = 16 * 2 * 8 * 64 * 2  # layers, K+V, kv heads, head dim, bf16
+    exp = _exp(compose, *shape, "strategy.requests=256")
+    pages = exp.strategy.pages([32 + 256] * 256)  # what generate() hands ContinuousBatchingConfig
+    assert pages == 256 * (9 + 1)
+    kv = memory.transformers_estimate(exp, "cpu").parts["KV cache"]
+    assert kv == per_position * pages * 32 and kv > 2.6e9
+    fixed = _exp(compose, *shape, "strategy.requests=256", "strategy.num_blocks=100")
+    assert memory.transformers_estimate(fixed, "cpu").parts["KV cache"] == per_position * 100 * 32
+    static = _exp(compose, *shape[:1], "strategy=static_batch", "strategy.batch_size=4", *shape[2:])
+    assert memory.transformers_estimate(static, "cpu").parts["KV cache"] == per_position * 4 * (32 + 256)
+
+
+def test_a_tied_head_quantized_to_int8_is_counted_as_its_own_copy(compose):
+    """quantizer.head=int8 gives a tied head int8 rows and bf16 scales beside the table the lookup keeps."""
+    est = {head: memory.transformers_estimate(_exp(compose, "model.arch=llama-3.2-1b", "quantizer=int4",
+                                                   f"quantizer.head={head}", "measure.gemv=aten"), "cpu")
+           for head in ("keep", "int8")}
+    assert "tied head copy (int8)" not in est["keep"].parts
+    assert est["int8"].parts["tied head copy (int8)"] == 128256 * (2048 + 2)
+    assert est["int8"].total - est["keep"].total == pytest.approx(128256 * 2050, rel=0.01)
+
+
 def test_the_fp32_8b_load_is_refused_in_one_line_before_loading(compose, capsys, monkeypatch):
     from harness import cli
 

@@ -11,11 +11,13 @@ estimate adds up, in bytes:
 - transient: what building or quantizing holds beside the result: one decoder layer in the load dtype (the
   random model is built and quantized layer by layer: harness/models/random_model.py) or a float32 copy of the
   largest tensor (per-tensor conversion in `from_pretrained`, llama.cpp's quantizer);
-- KV cache at the run's batch and context (depth + prompt + new tokens; llama.cpp: its n_ctx in f16);
+- KV cache: what the strategy's cache allocates (`Strategy.kv_positions`: batch x context, i.e. depth + prompt
+  + new tokens; continuous batching: the pages of every request, allocated at once; llama.cpp: its n_ctx in f16);
 - a model the strategy loads beside the target (`Strategy.side_model()`: speculative decoding's draft): its
   weights, counted as the target's are (its source, its quantizer's bits), and its KV cache at batch 1; its
   quantizing transient when larger than the target's (the two loads follow each other);
 - activations and logits (batch x prompt x widths, batch x vocabulary);
+- a tied output head's own copy where one is made (rows8 tiles; quantizer.head=int8: int8 rows + bf16 scales);
 - the accuracy pass: its logits, and the float32 reference model, which is loaded and freed *before* the
   run's model (so the peak is the larger of the two phases, not their sum).
 
@@ -198,15 +200,15 @@ def stored(quantizer: Any, model_dtype: str) -> tuple[Any, str, int, float]:
     return q, load, fb, min(float(q.max_bits_per_weight), 8.0 * fb) if q.quantizes else 8.0 * fb
 
 
-def model_parts(counts: Counts, q: Any, fb: int, bits: float, batch: int, positions: int) -> dict[str, float]:
-    """A loaded model's weights, its load transient and its KV cache."""
+def model_parts(counts: Counts, q: Any, fb: int, bits: float, cached: int) -> dict[str, float]:
+    """A loaded model's weights, its load transient and its KV cache (`cached`: the token positions it allocates)."""
     return {
         "weights": weight_bytes(counts, fb, bits),
         # quantizing: one float layer + the quantizer's fp32 work copy of its largest matrix; else one tensor
         # converted on its way in (from_pretrained) -- the random model's in-memory build needs not even that
         "transient": (counts.largest_layer * fb + counts.largest_layer_tensor * 8.0 if q.quantizes
                       else counts.largest_tensor * fb),
-        "KV cache": batch * counts.layers * 2 * counts.kv_heads * counts.head_dim * fb * positions,
+        "KV cache": counts.layers * 2 * counts.kv_heads * counts.head_dim * fb * cached,
     }
 
 
@@ -220,7 +222,7 @@ def side_parts(exp: Any, positions: int) -> dict[str, float]:
     if counts is None:
         return {}
     q, _, fb, bits = stored(side[1], source.dtype)
-    return {f"draft {k}": v for k, v in model_parts(counts, q, fb, bits, 1, positions).items()}
+    return {f"draft {k}": v for k, v in model_parts(counts, q, fb, bits, positions).items()}
 
 
 def transformers_estimate(exp: Any, device: str) -> Estimate | None:
@@ -230,9 +232,12 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
     q, load, fb, bits = stored(exp.quantizer, exp.model.dtype)
     batch, positions = int(getattr(exp.strategy, "batch_size", 1) or 1), context_positions(exp.measure)
     prompt = positions - exp.measure.max_new_tokens
+    # the positions the strategy's cache allocates: batch x context, or a paged cache's pages for every request
+    kv_positions = getattr(exp.strategy, "kv_positions", None)
+    cached = kv_positions(positions) if kv_positions is not None else batch * positions
     parts = {
         "runtime": runtime_bytes(device),
-        **model_parts(counts, q, fb, bits, batch, positions),
+        **model_parts(counts, q, fb, bits, cached),
         "activations": batch * (prompt * (8 * counts.hidden + 3 * counts.intermediate) * 4 + counts.vocab * 8),
     }
     draft = side_parts(exp, positions)
@@ -253,6 +258,9 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
             and getattr(exp.quantizer, "head", "") != "int8":
         # quantizers/rows8.py re-lays bf16 linears in gemv16t's tiles; a tied head gets its own copy
         parts["tied head copy (rows8 tiles)"] = counts.vocab * counts.hidden * 2.0
+    if counts.tied and getattr(exp.quantizer, "head", "") == "int8":
+        # quantizers/int8pack.py int8_head: the tied table stays for the lookup, the head gets int8 rows + bf16 scales
+        parts["tied head copy (int8)"] = counts.vocab * (counts.hidden + 2.0)
     est = Estimate(parts=parts, where="GPU memory" if device.startswith("cuda") else "RAM", phases=phases)
     fixed = parts["runtime"] + parts["KV cache"] + parts["activations"] + sum(draft.values())
     int_peak = counts.largest_layer * 2 + counts.largest_layer_tensor * 8.0  # one bf16 layer + a fp32 work copy
