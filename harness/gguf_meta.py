@@ -10,6 +10,7 @@ read again. The reader memory-maps the file read-only; tensor data are only touc
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 from pathlib import Path
@@ -33,6 +34,8 @@ def _read(path: str, size: int, mtime_ns: int) -> Any:
     return GGUFReader(path)
 
 
+# F32, F16, Q4_0, Q4_1, Q8_0, BF16 (the formats quantbench converts to) where gguf-py is not installed
+BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 30: (1, 2)}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
@@ -41,7 +44,10 @@ def _unpack(fh: Any, fmt: str) -> Any:
 
 
 def _string(fh: Any) -> str:
-    return fh.read(_unpack(fh, "<Q")).decode("utf-8", "replace")
+    n = _unpack(fh, "<Q")
+    if n > os.fstat(fh.fileno()).st_size - fh.tell():  # a length past the end: garbage, never a huge read
+        raise ValueError(f"a string of {n} bytes past the end of the file")
+    return fh.read(n).decode("utf-8", "replace")
 
 
 def _value(fh: Any, kind: int) -> Any:
@@ -52,6 +58,9 @@ def _value(fh: Any, kind: int) -> Any:
         sub, count = _unpack(fh, "<I"), _unpack(fh, "<Q")
         if sub in _SCALARS:  # skip fixed-size arrays in one seek
             fh.seek(struct.calcsize(_SCALARS[sub]) * count, os.SEEK_CUR)
+        elif sub == 8:  # strings (the vocabulary): each length, then a seek past it (a seek past the end fails
+            for _ in range(count):  # at the next read)
+                fh.seek(_unpack(fh, "<Q"), os.SEEK_CUR)
         else:
             for _ in range(count):
                 _value(fh, sub)
@@ -83,6 +92,46 @@ def gguf_context_length(path: str | Path) -> int | None:
             if arch and f"{arch}.context_length" in found:
                 return int(found[f"{arch}.context_length"])
     return None
+
+
+def data_end(path: str | Path) -> int | None:
+    """`_data_end` of the file as it is on disk now (parsed once per process: preflight runs more than once)."""
+    st = Path(path).stat()
+    return _data_end(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _data_end(path: str, size: int, mtime_ns: int) -> int | None:
+    """The size a whole file has: where its data section starts (after the tensor table, aligned to
+    `general.alignment`) plus the furthest end of a tensor (its offset + its bytes, from the ggml type's block
+    size). Read from the header and tensor table alone (milliseconds); None for a file that is not GGUF.
+    A damaged header raises one of HEADER_ERRORS."""
+    sizes = _block_sizes()
+    with open(path, "rb") as fh:
+        if (counts := _counts(fh)) is None:
+            return None
+        alignment = 32  # GGUF's default
+        for _ in range(counts[1]):
+            key = _string(fh)
+            val = _value(fh, _unpack(fh, "<I"))
+            if key == "general.alignment":
+                alignment = int(val)
+        end = 0
+        for _ in range(counts[0]):
+            _string(fh)
+            dims = [_unpack(fh, "<Q") for _ in range(_unpack(fh, "<I"))]
+            block, block_bytes = sizes.get(_unpack(fh, "<I"), (1, 0))  # a type unknown here: its offset alone
+            end = max(end, _unpack(fh, "<Q") + math.prod(dims) // block * block_bytes)
+        return -(-fh.tell() // alignment) * alignment + end
+
+
+def _block_sizes() -> dict[int, tuple[int, int]]:
+    """ggml type -> (elements per block, bytes per block): gguf-py's table, else the types quantbench writes."""
+    try:
+        from gguf import GGML_QUANT_SIZES
+    except ImportError:
+        return BLOCK_SIZES
+    return {int(kind): (int(n), int(b)) for kind, (n, b) in GGML_QUANT_SIZES.items()}
 
 
 def matrix_types(path: str | Path) -> list[str]:

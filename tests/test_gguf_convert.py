@@ -1,0 +1,73 @@
+"""The GGUF -> float32 safetensors cache, written tensor by tensor (harness/models/gguf_convert.py): the same bytes
+as transformers' whole-model load, a fraction of its memory. Tiny GGUFs written here; no model package needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+from safetensors.numpy import load_file
+from transformers import AutoModelForCausalLM
+
+from harness.config import build
+from harness.measure import memory
+from harness.models import gguf_convert
+from harness.models.gguf_export import write_gguf
+from harness.models.random_model import RandomModel
+
+
+@pytest.mark.parametrize("arch", ["tiny", "tiny-qwen2"])
+def test_the_streamed_cache_is_the_whole_model_loads_bytes(arch, tmp_path, monkeypatch):
+    """Names (the GGUF -> HF map), llama's q/k row order, F32 and BF16 tensors, a tied head saved once: every
+    tensor equals what `from_pretrained(gguf_file=...)` holds in float32, bit for bit, and the directory loads."""
+    monkeypatch.setattr(gguf_convert, "SLAB_BYTES", 4096)  # many slabs per matrix: the slab joins are checked too
+    gguf = write_gguf(RandomModel(arch=arch, dtype="float32"), tmp_path / f"{arch}.gguf")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert gguf_convert.streams(gguf) and gguf_convert.write_weights(gguf, out)
+    whole = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf.name, dtype=torch.float32)
+    expected = {k: v for k, v in whole.state_dict().items()
+                if not (whole.config.tie_word_embeddings and k == "lm_head.weight")}
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(expected)
+    for name, t in expected.items():
+        assert got[name].dtype == np.float32 and got[name].tobytes() == t.numpy().tobytes(), name
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in whole.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_dequantized_in_slabs_equals_gguf_dequantize(kind, tmp_path, monkeypatch):
+    """Quantized blocks (SmolLM2's Q4_1 layers and Q8_0 embedding), a slab of rows at a time: the same floats."""
+    monkeypatch.setattr(gguf_convert, "SLAB_BYTES", 1000)
+    qtype = GGMLQuantizationType[kind]
+    values = np.random.default_rng(0).standard_normal((37, 256)).astype(np.float32)
+    w = GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    w.add_tensor("m", quantize(values, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tensor = GGUFReader(str(tmp_path / "q.gguf")).tensors[0]
+    with open(tmp_path / "q.gguf", "rb") as src:
+        got = gguf_convert._dequantized(src, tensor)
+    assert got.dtype == np.float32 and got.tobytes() == dequantize(tensor.data, qtype).tobytes()
+
+
+def test_a_first_load_of_a_gguf_is_a_phase_of_the_memory_estimate(compose, tmp_path, monkeypatch):
+    """Streamed: two float32 copies of the largest tensor; where the whole model is saved: ~7 bytes a parameter,
+    more than the run itself for a bf16 model. Once cached: nothing."""
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    gguf = write_gguf(RandomModel(arch="tiny", dtype="float32"), tmp_path / "tiny.gguf")
+    exp = build(compose(["model=gguf", f"model.path={gguf}", "accuracy.enabled=false"]))
+    counts = memory.model_counts(exp.model)
+    est = memory.transformers_estimate(exp, "cpu")
+    assert est.phases["GGUF conversion"] == counts.largest_tensor * 4 * gguf_convert.STREAM_COPIES
+    monkeypatch.setattr(gguf_convert, "streams", lambda path: False)  # e.g. an architecture of transformers' new path
+    whole = memory.transformers_estimate(exp, "cpu")
+    assert whole.phases["GGUF conversion"] == counts.params * gguf_convert.WHOLE_MODEL_BYTES
+    assert whole.total > est.total
+    gguf_convert.cached_dir(gguf).mkdir(parents=True)
+    assert memory.transformers_estimate(exp, "cpu").phases["GGUF conversion"] == 0.0
