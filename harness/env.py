@@ -121,6 +121,11 @@ class CpuInfo:
             tags["cpu.uarch"] = self.uarch
         return tags
 
+    def key(self) -> str:
+        """'AMD EPYC ... (AuthenticAMD family 26 model 2, avx512_bf16)': what tells CPUs apart where the model name
+        does not (VMs report one marketing name across generations). Keys the sweep's resume and the host caches."""
+        return f"{self.model_name or '?'} ({self.vendor} family {self.family} model {self.model}, {self.isa})"
+
     def describe(self) -> str:
         """One line for reports: 'AMD EPYC ... (zen3, family 25 model 1): avx2, bf16 emulated'."""
         where = ", ".join(x for x in (self.uarch, f"family {self.family} model {self.model}" if self.family else "") if x)
@@ -144,7 +149,7 @@ def parse_cpuinfo(text: str, torch_capability: str = "") -> CpuInfo:
                    flags=frozenset(fields.get("flags", "").split()), torch_capability=torch_capability)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=2)
 def cpu_info(with_torch: bool = True) -> CpuInfo:
     """This machine's CpuInfo (the torch capability is read only when torch is importable and `with_torch`:
     a process that never needs torch, such as the gate's parent, names its CPU without a 2 s import)."""

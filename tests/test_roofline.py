@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import FAST
 
+from harness import env
 from harness.analysis import bandwidth, roofline
 from harness.errors import ConfigError
 from harness.models import TinyRandom
@@ -94,6 +95,39 @@ def test_bandwidth_cached_per_thread_count_and_keeps_the_highest(monkeypatch, tm
     assert bandwidth.host_bandwidth("cpu", 2, refresh=True).bytes_per_s == 20e9  # 10 < 20: contention, kept
     assert bandwidth.host_bandwidth("cpu", 2, refresh=True).bytes_per_s == 50e9
     assert len(list((tmp_path / "roofline").glob("bandwidth-*.json"))) == 2
+
+
+def test_bandwidth_key_tells_cpus_apart_and_another_boot_measures_anew(monkeypatch, tmp_path):
+    """VMs name every host "vm" and Zen 3, 4 and 5 "AMD EPYC": the key holds family, model and ISA tier. The value
+    kept on a refresh is the higher one only on the same boot (contention); another boot may be another machine."""
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    zen3 = env.CpuInfo("AuthenticAMD", "25", "1", "AMD EPYC", frozenset({"avx2", "fma"}))
+    zen4 = env.CpuInfo("AuthenticAMD", "25", "17", "AMD EPYC", frozenset({"avx2", "fma", "avx512f"}))
+    keys = set()
+    for cpu in (zen3, zen4):
+        monkeypatch.setattr(bandwidth, "cpu_info", lambda with_torch=True, cpu=cpu: cpu)
+        keys.add(bandwidth.host_key("cpu", 2))
+    assert len(keys) == 2
+    values = iter([50e9, 20e9, 10e9])
+    monkeypatch.setattr(bandwidth, "measure_cpu", lambda threads, repeats=5: bandwidth.Bandwidth(next(values), "f"))
+    monkeypatch.setattr(bandwidth, "boot_id", lambda: "boot-1")
+    assert bandwidth.host_bandwidth("cpu", 2).bytes_per_s == 50e9
+    monkeypatch.setattr(bandwidth, "boot_id", lambda: "boot-2")
+    assert bandwidth.host_bandwidth("cpu", 2, refresh=True).bytes_per_s == 20e9  # not the other machine's 50
+    assert bandwidth.host_bandwidth("cpu", 2, refresh=True).bytes_per_s == 20e9  # same boot: 10 is contention
+
+
+def test_the_speeds_cache_compares_with_the_last_hours_only(monkeypatch, tmp_path):
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    group = {"model": "m", "engine": "e"}
+    heavy = {"bytes_per_step": 270e6, "decode_tokens_per_s": 40.0, "roofline_fraction": 0.6}
+    light = {"bytes_per_step": 100e6, "decode_tokens_per_s": 17.0, "roofline_fraction": 0.04}
+    now = roofline.time.time()
+    monkeypatch.setattr(roofline.time, "time", lambda: now - 13 * 3600)  # yesterday's bf16 run
+    assert roofline.check_slow_kernel(group, "bf16", heavy, "cpu", 2) is None
+    monkeypatch.setattr(roofline.time, "time", lambda: now)
+    assert roofline.check_slow_kernel(group, "int4", light, "cpu", 2) is None  # other software, maybe: not compared
+    assert "slow kernel path?" in roofline.check_slow_kernel(group, "bf16", heavy, "cpu", 2)
 
 
 def test_real_cpu_bandwidth_measurement():

@@ -4,8 +4,12 @@ CPU: a read-only pass (`sum(b)`, N bytes), torch copy and triad (`a = b + s*c`) 
 max(256 MiB, 8 x last-level cache) each, best of 5, STREAM byte counting (copy moves 2N bytes, triad 3N;
 write-allocate traffic is not counted, as in STREAM); the bound uses the fastest of the three. CUDA: a
 device-to-device copy of 1 GiB timed with CUDA events, best of 10 (2N bytes). The cache key is the host
-name, the CPU or GPU model and the thread count (`host_key`); see harness/analysis/roofline.py for how the
-roofline uses it and why llama.cpp can read faster than torch streams.
+name, the CPU (vendor, family, model, ISA tier: `CpuInfo.key`, as the sweep's resume keys it; a VM's host name
+and model name say "vm" / "AMD EPYC" on Zen 3, 4 and 5 alike) or GPU model and the thread count (`host_key`);
+see harness/analysis/roofline.py for how the roofline uses it and why llama.cpp can read faster than torch
+streams. A refresh keeps the higher of the old and new value only on the same boot of the same machine
+(`boot_id`): contention can only lower a best-of measurement there, but a machine behind the same key after
+a restart (another VM of the same CPU) may simply be slower, so there the new value replaces the old one.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.cache import cache_root, short_hash
-from harness.env import device_name
+from harness.env import cpu_info, device_name
 from harness.errors import QuantbenchError
 
 # Peak memory bandwidth (bytes/s) of common accelerators, from the vendors' datasheets.
@@ -115,9 +119,18 @@ def measure_cuda(repeats: int = 10) -> Bandwidth:
 
 
 def host_key(device: str, threads: int) -> str:
-    """What keys a host's cached measurements: host name, machine, CPU or GPU model, device kind, threads."""
-    name = device_name(device)
+    """What keys a host's cached measurements: host name, machine, the CPU (`CpuInfo.key`: vendor, family, model,
+    ISA tier) or GPU model, device kind, threads."""
+    name = device_name(device) if device.startswith("cuda") else cpu_info(with_torch=False).key()
     return short_hash(socket.gethostname(), platform.machine(), name, device.split(":")[0], threads)
+
+
+def boot_id() -> str:
+    """This boot of this machine ('' where unknown): two measurements under one id are of the same hardware."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def host_bandwidth(device: str, threads: int, refresh: bool = False) -> Bandwidth:
@@ -134,12 +147,15 @@ def host_bandwidth(device: str, threads: int, refresh: bool = False) -> Bandwidt
         bw = measure_cuda()
     else:
         bw = measure_cpu(threads)
-    # Contention (other jobs on a shared host) can only lower a best-of measurement, never raise it, so
-    # a refresh keeps the highest value seen: the bound stays an upper limit.
-    if old is not None and float(old["bytes_per_s"]) > bw.bytes_per_s:
+    # Contention (other jobs on a shared host) can only lower a best-of measurement, never raise it, so a
+    # refresh on the same boot keeps the higher value: the bound stays an upper limit. Another boot may be
+    # another machine behind the same key (module docstring): its own measurement replaces the old one.
+    boot = boot_id()
+    if old is not None and boot and old.get("boot_id") == boot and float(old["bytes_per_s"]) > bw.bytes_per_s:
         return Bandwidth(float(old["bytes_per_s"]), str(old["method"]), float(old.get("measured_at", 0)))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({**asdict(bw), "device": device, "threads": threads, "host": socket.gethostname()}))
+    tmp.write_text(json.dumps({**asdict(bw), "device": device, "threads": threads, "host": socket.gethostname(),
+                               "cpu": cpu_info(with_torch=False).key(), "boot_id": boot}))
     os.replace(tmp, path)
     return bw

@@ -50,7 +50,9 @@ from quantizers.base import tensor_bytes
 
 SLOW_FRACTION = 0.5  # below half the bound *and* a lighter format not faster: flag the kernel path
 SLOW_TAG = "slow kernel path?"
-SPEEDS_MAX_AGE_S = 30 * 24 * 3600  # older comparison entries are ignored (software changes)
+# The speeds cache compares a run with the other formats' latest runs of the last hours (two run.py calls of one
+# session); its group keys neither the code nor the libraries, so an older entry may be of other software
+SPEEDS_MAX_AGE_S = 12 * 3600
 log = logging.getLogger("quantbench")
 
 # ----------------------------------------------------------------------------- bytes per step
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--device", help=f"named device: {', '.join(DEVICES)}, or 'host' (measured here)")
     p.add_argument("--threads", type=int, default=0, help="with --device host: threads (0 = all cores)")
     p.add_argument("--measure", action="store_true",
-                   help="with --device host: measure again (the cache keeps the highest value seen)")
+                   help="with --device host: measure again (on the same boot the cache keeps the higher value)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=0, help="KV cache length read per step (tokens)")
     p.add_argument("--layers", type=int, default=0, help="layers (for the KV cache)")

@@ -88,7 +88,7 @@ def cpu_key(cpuinfo: str | None = None) -> str:
     info = parse_cpuinfo(cpuinfo)
     if not info.model_name and not info.family:
         return UNKNOWN
-    return f"{info.model_name or '?'} ({info.vendor} family {info.family} model {info.model}, {info.isa})"
+    return info.key()
 
 
 def _dist_version(*names: str) -> str:
