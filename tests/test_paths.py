@@ -209,3 +209,25 @@ def test_quantizer_none_that_resolves_to_fp32_reads_no_16_bit_row(zen4):
     assert choice.path == "eager" and choice.by.startswith("no measured row for zen4 other"), choice.by
     assert paths.format_class(exp.quantizer, "float32", "cpu") == "other"
     assert paths.settle(_exp("quantizer=none"), "cpu").by.startswith("zen4 16 >= 1B params")  # bf16: the 16-bit row
+
+
+# ------------------------------------------------------------------------- explicit settings and what ran
+def _refused(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        build(compose([*ONE_B, *overrides]))
+    msg = str(err.value)
+    assert "\n" not in msg and "config problems" not in msg, msg  # one problem, one line
+    return msg
+
+
+def test_a_context_depth_decodes_eager_under_best_and_an_explicit_compiled_path_is_refused(zen4):
+    """The compiled path sizes its static cache from the prompts: at a depth it crashed after load + compile."""
+    for overrides in (["quantizer=bf16", "measure.context_depth=512"],
+                      ["quantizer=int4", "strategy=static_batch", "measure.context_depth=2048"]):
+        exp = _exp(*overrides)
+        choice = paths.settle(exp, "cpu")
+        assert choice.path == "eager" and exp.measure.compile is False and exp.measure.cache == "dynamic"
+        assert choice.by.startswith("compiled refused (measure.context_depth needs the eager step)"), choice.by
+    for path in ("compiled", "freezing"):
+        msg = _refused("quantizer=bf16", f"measure.path={path}", "measure.context_depth=16")
+        assert msg.startswith(f"measure.context_depth with measure.path={path} is not supported")

@@ -22,8 +22,9 @@ streams ~1.15x ATen's GEMV (quantizers/rows8.py has the numbers).
 
 Refusals and fallbacks (`settle`, before anything loads): `best` takes its row's path, or the next one
 down (freezing -> compiled -> eager) when the path cannot run: the quantizer cannot compile, freezing's
-prepacked copies do not fit in memory, or the compile estimate passes the sweep's `sweep.timeout_s`; tag
-`decode_path.by` says which and why. An explicit `measure.path` that cannot run is refused in one line.
+prepacked copies do not fit in memory, `measure.context_depth` is set, or the compile estimate passes the
+sweep's `sweep.timeout_s`; tag `decode_path.by` says which and why. An explicit `measure.path` that cannot run
+is refused in one line.
 
 Add a row: measure the paths with benchmarks/cpu_kernels.py on that CPU (`--arch` for a size), then add a
 `Row` with the command, host and numbers in `source`. Rows are matched most specific first (uarch, then
@@ -46,6 +47,7 @@ log = logging.getLogger("quantbench")
 
 ORDER = ("freezing", "compiled", "eager")  # best path first; a path that cannot run falls to the next one
 GB = 1e9
+DEPTH = "measure.context_depth needs the eager step"
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,8 @@ def blocker(path: str, exp: Any, device: str, avail: float | None = None) -> str
         return ""
     if not exp.strategy.stepwise:
         return f"strategy {exp.strategy.name} runs its own loop (only the shared decode loop compiles)"
+    if exp.measure.context_depth:  # the compiled path sizes its static cache from the prompts alone
+        return DEPTH
     if (reason := fast_path.compile_blocker(exp.quantizer, device)):
         return reason
     counts = memory.model_counts(exp.model)
@@ -172,9 +176,7 @@ def resolve_auto(exp: Any, device: str) -> str:
         m.compile_mode = "reduce-overhead" if cuda else "default"
     tag = ""
     if cuda and m.compile == "auto" and m.cache != "dynamic" and m.path == "best":
-        why = blocker("compiled", exp, device) or (
-            "measure.context_depth needs the eager step" if m.context_depth else "")
-        if why:
+        if (why := blocker("compiled", exp, device)):
             m.compile = False
             tag = f"cuda: eager ({why})"
             log.warning("measure.compile=auto on CUDA: %s; decoding eager", why)

@@ -94,9 +94,11 @@ def check(model: Any, measure: Any, strategy: Any = None, tokenizer: Any = None)
         raise QuantbenchError(f"measure.context_depth={depth} is not supported by strategy {strategy.name} (it runs "
                               "its own cache); use a strategy that runs strategies/decode.py's loop (strategy=greedy, "
                               "static_batch) or measure.context_depth=0")
-    if depth and measure.compile is True:
-        raise QuantbenchError("measure.context_depth with measure.compile=true is not supported (the compiled "
-                              "path sizes its static cache from the prompts); drop one of them")
+    if depth and (measure.compile is True or measure.path in ("compiled", "freezing")):
+        asked = "measure.compile=true" if measure.compile is True else f"measure.path={measure.path}"
+        raise QuantbenchError(f"measure.context_depth with {asked} is not supported (the compiled path sizes its "
+                              "static cache from the prompts); drop one of them (measure.path=best decodes eager "
+                              "at a depth)")
     limits = [lim or measure.max_new_tokens for lim in src.limits]
     if measure.compile is True and len(set(limits)) > 1:
         raise QuantbenchError(f"measure.prompts={measure.prompts}: per-prompt max_new_tokens with "
