@@ -82,7 +82,7 @@ class MeasureConfig(Validated):
     compile_match: str = "near_tie"  # strict: any compiled != eager token fails | near_tie: only non-tie ones do
     compile_backend: str = "inductor"  # inductor | zentorch (AMD's ZenDNN plugin: optimizes on AVX-512 CPUs only)
     compile_cpp_wrapper: bool = False  # inductor calls its kernels from generated C++ instead of Python
-    compile_skip_guards: bool = False  # timed steps skip dynamo's guard checks (docs/fast_path.md says when it is safe)
+    compile_skip_guards: Any = "auto"  # timed steps skip dynamo's guard checks: auto (on where compiled) | true | false
     kernel_profile: bool = True  # after timing, profile a few decode steps: tag kernel.linear (harness/measure/kernels.py)
     inject_slowdown: float = 0.0  # test-only: stretch each decode step by this fraction (gate power tests)
     inject_work: float = 0.0  # test-only: extra real matrix work per decode step, ~this fraction of a step
@@ -102,8 +102,9 @@ class MeasureConfig(Validated):
                     one_of("measure.cache", self.cache, ("auto", "dynamic", "static"))):
             if err:
                 p.append(err)
-        if self.compile not in (True, False, "auto"):
-            p.append(f"measure.compile={self.compile!r} is not allowed; choose one of: auto, true, false")
+        for name in ("compile", "compile_skip_guards"):
+            if getattr(self, name) not in (True, False, "auto"):
+                p.append(f"measure.{name}={getattr(self, name)!r} is not allowed; choose one of: auto, true, false")
         if (err := one_of("measure.compile_mode", self.compile_mode, ("auto", *COMPILE_MODES))):
             p.append(err)
         if (err := one_of("measure.compile_match", self.compile_match, COMPILE_MATCH)):

@@ -21,6 +21,21 @@ COMPILE_BACKENDS = ("inductor", "zentorch")  # torch.compile backend of the deco
 DECODE_PATHS = ("best", "eager", "compiled", "freezing")  # measure.path (harness/measure/paths.py)
 GEMV_KERNELS = ("auto", "onednn", "aten", "rows8")  # measure.gemv: one-row 16-bit matmuls on CPU (harness/measure/paths.py)
 HUGEPAGES = ("auto", "on", "off")  # measure.hugepages: the weights on 2 MiB pages (harness/measure/hugepages.py)
+# measure settings only a compiled decode step reads, with the values that ask nothing of it (defaults, and false):
+# refused or tagged unused where the step runs eager (harness/measure/paths.py), on llama.cpp and in load runs
+COMPILE_ONLY = {"compile_mode": ("auto",), "compile_freezing": (False,), "compile_fallback": (False,),
+                "compile_match": ("near_tie",), "compile_backend": ("inductor",), "compile_cpp_wrapper": (False,),
+                "compile_skip_guards": ("auto", False)}
+
+
+def shown(value: object) -> str:
+    """A config value as the command line spells it (true/false lower-case)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def set_apart(section: object, allowed: dict[str, tuple], prefix: str = "measure") -> list[str]:
+    """`prefix.k=v` for each field of `section` whose value is not among `allowed[k]`."""
+    return [f"{prefix}.{k}={shown(v)}" for k, ok in allowed.items() if (v := getattr(section, k, ok[0])) not in ok]
 
 
 def no_password(problems: list[str], name: str, uri: str, fix: str) -> None:

@@ -33,6 +33,8 @@ def _build(compose, overrides):
     (["measure.path=eager"], "engine=llama_cpp: measure.path=eager applies to engine=transformers only"),
     (["measure.gemv=aten"], "engine=llama_cpp: measure.gemv=aten applies to engine=transformers only"),
     (["measure.hugepages=on"], "engine=llama_cpp: measure.hugepages=on applies to engine=transformers only"),
+    (["measure.compile_freezing=true", "measure.compile_backend=zentorch"],  # no compiled step to read them
+     "engine=llama_cpp: measure.compile_freezing=true, measure.compile_backend=zentorch applies to engine=transformers"),
     (["engine.flash_attn=maybe"], "engine.flash_attn='maybe' must be true or false"),
 ])
 def test_config_errors_are_one_clear_line(compose, overrides, message):

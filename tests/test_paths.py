@@ -231,3 +231,48 @@ def test_a_context_depth_decodes_eager_under_best_and_an_explicit_compiled_path_
     for path in ("compiled", "freezing"):
         msg = _refused("quantizer=bf16", f"measure.path={path}", "measure.context_depth=16")
         assert msg.startswith(f"measure.context_depth with measure.path={path} is not supported")
+
+
+@pytest.mark.parametrize("overrides, by", [
+    (["measure.compile=false"], "measure.compile=false"),
+    (["measure.compile=false", "measure.cache=dynamic"], "measure.compile=false"),
+    (["measure.cache=dynamic"], "measure.cache=dynamic"),
+    (["measure.cache=static", "measure.compile=false"], "measure.compile=false"),  # eager over a static cache
+])
+def test_an_explicit_eager_setting_is_honoured_on_cpu(zen4, overrides, by):
+    exp = _exp("quantizer=bf16", *overrides)  # the 1B row says compiled
+    choice = paths.settle(exp, "cpu")
+    m = exp.measure
+    assert (choice.path, m.compile, m.compile_skip_guards) == ("eager", False, False) and choice.by.startswith(by)
+    assert m.cache == ("static" if "measure.cache=static" in overrides else "dynamic")
+    assert "compile=true" not in choice.tags()["measure.auto"]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["measure.path=eager", "measure.compile=true"], "measure.path=eager and measure.compile=true contradict"),
+    (["measure.path=compiled", "measure.compile=false"], "measure.path=compiled compiles the decode step"),
+    (["measure.path=freezing", "measure.cache=dynamic"], "use measure.path=eager, or drop measure.cache"),
+    (["measure.path=compiled", "measure.compile_freezing=true"], "asks for it: use measure.path=freezing"),
+    (["measure.compile_freezing=true"], "measure.path=best picks its own path (it may leave freezing off)"),
+    (["measure.path=eager", "measure.compile_backend=zentorch", "measure.compile_mode=max-autotune"],
+     "measure.compile_mode=max-autotune, measure.compile_backend=zentorch: only a compiled decode step reads it, "
+     "and measure.path=eager decodes eager"),
+    (["measure.compile=false", "measure.compile_skip_guards=true"], "and measure.compile=false decodes eager"),
+    (["strategy=continuous_batch", "measure.cache=static"], "strategy ContinuousBatch schedules its own rows"),
+])
+def test_contradictory_or_unread_decode_settings_are_refused_in_one_line(overrides, says):
+    assert says in _refused("quantizer=bf16", *overrides)
+
+
+def test_explicit_compile_switches_are_kept_and_unread_ones_tagged_where_best_decides_eager(zen4, caplog):
+    exp = _exp("quantizer=bf16", "measure.path=compiled", "measure.compile_skip_guards=false")
+    assert paths.settle(exp, "cpu").path == "compiled" and exp.measure.compile_skip_guards is False
+    exp = _exp("quantizer=bf16", "measure.path=freezing", "measure.compile_freezing=true")
+    assert paths.settle(exp, "cpu").path == "freezing" and exp.measure.compile_skip_guards is True  # auto: on
+    tiny = build(compose(["model=tiny_random", "measure.compile_mode=max-autotune"]))  # below 1B: no row, eager
+    choice = paths.settle(tiny, "cpu")
+    assert choice.path == "eager" and choice.tags()["measure.unused"] == ("measure.compile_mode=max-autotune (the "
+                                                                         "decode step runs eager)")
+    assert "not used" in caplog.text
+    assert "measure.unused" not in paths.settle(_exp("quantizer=bf16", "measure.compile_mode=max-autotune"),
+                                                "cpu").tags()  # compiled: read

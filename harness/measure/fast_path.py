@@ -299,7 +299,7 @@ def prepare(exp: Any, model: Any, opts: Any, batches: list[list[list[int]]], pat
     with torch._inductor.config.patch(flags):  # dynamo compiles lazily: in the warmup's first calls
         fast = FastPath(model, device=opts.device, max_cache_len=max_cache_len(batches, opts.max_new_tokens),
                         mode=m.compile_mode, freezing=m.compile_freezing, backend=m.compile_backend,
-                        cpp_wrapper=m.compile_cpp_wrapper, skip_guards=m.compile_skip_guards)
+                        cpp_wrapper=m.compile_cpp_wrapper, skip_guards=m.compile_skip_guards is True)
         fast.inductor = flags
         compile_warmup(exp.strategy, model, batches, opts, fast)
     return fast

@@ -24,7 +24,10 @@ Refusals and fallbacks (`settle`, before anything loads): `best` takes its row's
 down (freezing -> compiled -> eager) when the path cannot run: the quantizer cannot compile, freezing's
 prepacked copies do not fit in memory, `measure.context_depth` is set, or the compile estimate passes the
 sweep's `sweep.timeout_s`; tag `decode_path.by` says which and why. An explicit `measure.path` that cannot run
-is refused in one line.
+is refused in one line. An explicit `measure.compile=false` or `measure.cache=dynamic` means eager. At config
+time (`check`) contradictory settings are refused (`measure.path=eager` with `measure.compile=true`,
+`measure.path=compiled` with `measure.compile_freezing=true`, ...), and so are compile settings on a run that
+surely decodes eager; where only `best` decides eager they are tagged `measure.unused`.
 
 Add a row: measure the paths with benchmarks/cpu_kernels.py on that CPU (`--arch` for a size), then add a
 `Row` with the command, host and numbers in `source`. Rows are matched most specific first (uarch, then
@@ -41,6 +44,7 @@ from harness import env
 from harness.errors import QuantbenchError
 from harness.measure import fast_path, memory
 from harness.measure.one_row import gemv_choice
+from harness.schema import COMPILE_ONLY, set_apart
 from quantizers.auto import float_choice
 
 log = logging.getLogger("quantbench")
@@ -93,10 +97,55 @@ class Choice:
     gemv_by: str
     requested: str
     auto: str = ""  # what measure.compile/cache/compile_mode=auto became (`resolve_auto`)
+    unused: str = ""  # compile settings that an eager run does not read (`best` decided eager)
 
     def tags(self) -> dict[str, str]:
-        return {"measure.path": self.requested, "decode_path": self.path, "decode_path.by": self.by,
+        tags = {"measure.path": self.requested, "decode_path": self.path, "decode_path.by": self.by,
                 "kernel.gemv": self.gemv, "kernel.gemv_by": self.gemv_by, "measure.auto": self.auto}
+        return {**tags, "measure.unused": self.unused} if self.unused else tags
+
+
+def compile_only(measure: Any) -> list[str]:
+    """The compile settings `measure` sets to something only a compiled step reads, as `measure.k=v`."""
+    return set_apart(measure, COMPILE_ONLY)
+
+
+def eager_reason(measure: Any, strategy: Any) -> str:
+    """Which explicit setting makes this run decode eager whatever the CPU ("" when none does)."""
+    if measure.path == "eager":
+        return "measure.path=eager"
+    if measure.compile is False:
+        return "measure.compile=false"
+    if measure.cache == "dynamic":
+        return "measure.cache=dynamic"
+    if strategy is not None and not strategy.stepwise:
+        return f"strategy {strategy.name} (it runs its own loop)"
+    return ""
+
+
+def check(measure: Any, strategy: Any) -> None:
+    """Config-time refusals, in one line: contradictory decode settings, and compile settings a run cannot read."""
+    path, compile_, cache = measure.path, measure.compile, measure.cache
+    if path == "eager" and compile_ is True:
+        raise QuantbenchError("measure.path=eager and measure.compile=true contradict each other: use "
+                              "measure.path=compiled (or measure.path=freezing), or drop measure.compile")
+    if path in ("compiled", "freezing") and (compile_ is False or cache == "dynamic"):
+        asked = "measure.compile=false" if compile_ is False else "measure.cache=dynamic"
+        raise QuantbenchError(f"measure.path={path} compiles the decode step with a static cache and {asked} asks "
+                              f"for eager: use measure.path=eager, or drop {asked.split('=')[0]}")
+    if path == "compiled" and measure.compile_freezing is True:
+        raise QuantbenchError("measure.path=compiled runs without inductor freezing and measure.compile_freezing=true "
+                              "asks for it: use measure.path=freezing")
+    if strategy is not None and strategy.schedules_rows and cache == "static":
+        raise QuantbenchError(f"strategy {strategy.name} schedules its own rows in a paged KV cache: measure.cache="
+                              "static does nothing there; drop it (or use strategy=static_batch)")
+    if (why := eager_reason(measure, strategy)) and (odd := compile_only(measure)):
+        raise QuantbenchError(f"{', '.join(odd)}: only a compiled decode step reads it, and {why} decodes eager; "
+                              "drop it, or use measure.path=compiled")
+    if measure.compile_freezing is True and path != "freezing" and compile_ is not True:
+        raise QuantbenchError("measure.compile_freezing=true is read only with measure.compile=true, and "
+                              f"measure.path={path} picks its own path (it may leave freezing off): use "
+                              "measure.path=freezing")
 
 
 def format_class(quantizer: Any, model_dtype: str | None = None, device: str = "cpu") -> str:
@@ -187,7 +236,8 @@ def resolve_auto(exp: Any, device: str) -> str:
                 " (CUDA graphs)" if m.compile_mode == "reduce-overhead" else "")
     if m.compile == "auto":
         m.compile = False
-        tag = tag or (f"{device.split(':')[0]}: eager unless measure.path=best picks a compiled path" if
+        tag = tag or ("eager (measure.cache=dynamic)" if m.cache == "dynamic" else
+                      f"{device.split(':')[0]}: eager unless measure.path=best picks a compiled path" if
                       m.path == "best" else f"measure.path={m.path}")
     if m.cache == "auto":
         m.cache = "static" if m.compile is True else "dynamic"
@@ -203,6 +253,8 @@ def settle(exp: Any, device: str) -> Choice:
     if done is not None:
         return done
     m = exp.measure
+    asked = {"compile": m.compile, "cache": m.cache}  # before auto resolves: an explicit false/dynamic means eager
+    odd = compile_only(m)
     auto = resolve_auto(exp, device)
     cpu = env.cpu_info()
     gemv, gemv_by = gemv_choice(m.gemv, device, cpu)
@@ -217,28 +269,41 @@ def settle(exp: Any, device: str) -> Choice:
             raise QuantbenchError(f"measure.path={requested} cannot run: {why}; use measure.path=best (picks the "
                                   "fastest path that can) or measure.path=eager")
         choice = Choice(requested, f"measure.path={requested}", gemv, gemv_by, requested)
+    elif asked["compile"] is False or asked["cache"] == "dynamic":  # docs/fast_path.md: honoured everywhere
+        setting = "measure.compile=false" if asked["compile"] is False else "measure.cache=dynamic"
+        choice = Choice("eager", f"{setting} (explicit: eager)", gemv, gemv_by, requested)
     else:
-        fmt = format_class(exp.quantizer, getattr(exp.model, "dtype", None), device)
-        counts = memory.model_counts(exp.model)
-        row = lookup(cpu, fmt, counts.params if counts else None) if device.startswith("cpu") else None
-        if row is None:
-            where = f"{cpu.uarch or cpu.isa} {fmt}" if device.startswith("cpu") else device
-            choice = Choice("eager", f"no measured row for {where} at this size (harness/measure/paths.py)",
-                            gemv, gemv_by, requested)
-        else:
-            by, path = f"{row.cpu} {row.fmt} >= {row.min_params / 1e9:g}B params: {row.source}", row.path
-            for candidate in ORDER[ORDER.index(row.path):]:
-                why = blocker(candidate, exp, device)
-                if not why:
-                    path = candidate
-                    break
-                by = f"{candidate} refused ({why}); {by}"
-                log.warning("measure.path=best: %s cannot run (%s); trying the next path", candidate, why)
-            choice = Choice(path, by, gemv, gemv_by, requested)
+        choice = _best(exp, device, cpu, gemv, gemv_by)
     if choice.path != "eager":
         m.cache, m.compile = "static", True
         m.compile_freezing = choice.path == "freezing"
-        m.compile_skip_guards = True  # safe on this path (docs/fast_path.md); compiled_match re-checks the tokens
+        if m.compile_skip_guards == "auto":  # safe on this path (docs/fast_path.md); compiled_match re-checks tokens
+            m.compile_skip_guards = True
+    elif odd:  # `best` decided eager (an explicit eager run with them is refused in `check`)
+        choice.unused = f"{', '.join(odd)} (the decode step runs eager)"
+        log.warning("%s not used: the decode step runs eager (%s)", ", ".join(odd), choice.by)
+    if m.compile_skip_guards == "auto":
+        m.compile_skip_guards = False
     choice.auto = auto
     exp.decode_choice = choice
     return choice
+
+
+def _best(exp: Any, device: str, cpu: env.CpuInfo, gemv: str, gemv_by: str) -> Choice:
+    """`measure.path=best`: the measured row's path, or the next one down that can run."""
+    fmt = format_class(exp.quantizer, getattr(exp.model, "dtype", None), device)
+    counts = memory.model_counts(exp.model)
+    row = lookup(cpu, fmt, counts.params if counts else None) if device.startswith("cpu") else None
+    if row is None:
+        where = f"{cpu.uarch or cpu.isa} {fmt}" if device.startswith("cpu") else device
+        return Choice("eager", f"no measured row for {where} at this size (harness/measure/paths.py)", gemv, gemv_by,
+                      "best")
+    by, path = f"{row.cpu} {row.fmt} >= {row.min_params / 1e9:g}B params: {row.source}", "eager"
+    for candidate in ORDER[ORDER.index(row.path):]:
+        why = blocker(candidate, exp, device)
+        if not why:
+            path = candidate
+            break
+        by = f"{candidate} refused ({why}); {by}"
+        log.warning("measure.path=best: %s cannot run (%s); trying the next path", candidate, why)
+    return Choice(path, by, gemv, gemv_by, "best")

@@ -47,7 +47,10 @@ class TransformersEngine:
         return memory.transformers_estimate(exp, device)
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
-        """The workload against the model and strategy (harness/measure/workloads.py), at config time."""
+        """The decode settings against each other and the strategy (harness/measure/paths.py), then the workload
+        against the model and strategy (harness/measure/workloads.py), at config time."""
+        if measure is not None:
+            paths.check(measure, parts.get("strategy"))
         if measure is not None and parts.get("model") is not None:
             workloads.check(parts["model"], measure, parts.get("strategy"))
 

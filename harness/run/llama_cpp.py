@@ -45,6 +45,7 @@ from harness.measure.one_row import gemv_choice, sixteen_choice
 from harness.measure.workloads import encode_prompts  # noqa: F401 - re-exported (tests)
 from harness.run import llama_cpp_lm
 from harness.run.hooks import Record, Session
+from harness.schema import COMPILE_ONLY, set_apart
 from strategies.inject import injected_step
 
 log = logging.getLogger("quantbench")
@@ -55,7 +56,7 @@ FORMATS = {"gguf": None, "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "B
 BYTES_PER_WEIGHT = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}
 # measure settings only engine=transformers reads: their defaults and `auto` (pick what applies: nothing here, so a
 # sweep may set hugepages=auto for every engine, as conf/experiment/scaling.yaml does) pass; explicit others are refused
-TRANSFORMERS_ONLY = {"path": ("best",), "gemv": ("auto",), "hugepages": ("off", "auto")}
+TRANSFORMERS_ONLY = {"path": ("best",), "gemv": ("auto",), "hugepages": ("off", "auto"), **COMPILE_ONLY}
 INSTALL_HINT = ("engine=llama_cpp needs llama-cpp-python, which is not installed; install the extra with "
                 "`scripts/setup.sh --all` (compiles llama.cpp, ~5 min on 2 cores) or "
                 "`CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python==0.3.36`; or use engine=transformers")
@@ -166,10 +167,10 @@ class LlamaCppEngine:
         if measure is not None and (measure.compile is True or measure.cache == "static"):
             raise QuantbenchError("engine=llama_cpp has its own kernels and KV cache: measure.compile and "
                                   "measure.cache=static apply to engine=transformers only")
-        if measure is not None and (odd := [f"measure.{k}={getattr(measure, k)}" for k, ok in TRANSFORMERS_ONLY.items()
-                                            if getattr(measure, k, ok[0]) not in ok]):
-            raise QuantbenchError(f"engine=llama_cpp: {', '.join(odd)} applies to engine=transformers only; "
-                                  f"leave {'/'.join(f'measure.{k}' for k in TRANSFORMERS_ONLY)} at their defaults (auto passes)")
+        if measure is not None and (odd := set_apart(measure, TRANSFORMERS_ONLY)):
+            raise QuantbenchError(f"engine=llama_cpp: {', '.join(odd)} applies to engine=transformers only; leave it "
+                                  "at its default (measure.path/gemv/hugepages and the measure.compile_* settings; "
+                                  "auto passes)")
         if measure is not None and model is not None:
             workloads.check(model, measure, strategy)  # prompt file, lengths vs the GGUF's context_length
 
