@@ -27,7 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from harness.analysis import corpus, task_accuracy, tasks
 from harness.errors import ConfigError, QuantbenchError, one_of
-from harness.load.config import LoadConfig, SloConfig
+from harness.load.config import LoadConfig, SloConfig, conflicts
 from harness.measure.workloads import context_length, source_problems
 from harness.options import CONF_DIR, instantiate_option, options
 from harness.schema import (
@@ -352,7 +352,8 @@ def build(cfg: DictConfig | dict, cores: int | None = None) -> Experiment:
     # model=random measure.prompts=default: "text prompts need a real model" first, then the
     # measure.prompt_tokens model=random set, which the prompts make wrong
     problems += cross_problems(parts, measure or unchecked(MeasureConfig, plain.get("measure")),
-                               accuracy or unchecked(AccuracyConfig, plain.get("accuracy")), checked) + own
+                               accuracy or unchecked(AccuracyConfig, plain.get("accuracy")), checked)
+    problems += conflicts(load, parts, measure) + own  # settings a load run would not read (harness/load/)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a bad value a cross-check trips over too: said once
     return Experiment(measure=measure, accuracy=accuracy, tracking=tracking, load=load,

@@ -276,3 +276,10 @@ def test_explicit_compile_switches_are_kept_and_unread_ones_tagged_where_best_de
     assert "not used" in caplog.text
     assert "measure.unused" not in paths.settle(_exp("quantizer=bf16", "measure.compile_mode=max-autotune"),
                                                 "cpu").tags()  # compiled: read
+
+
+def test_a_load_run_decodes_as_its_target_whatever_the_row_says(zen4):
+    """The in-process load target runs eager continuous batching: no compiled path is chosen, counted or tagged."""
+    exp = _exp("quantizer=bf16", "load.profile=sweep")  # the 1B row says compiled
+    choice = paths.settle(exp, "cpu")
+    assert choice.path == "eager" and choice.by.startswith("load.profile=sweep") and exp.measure.compile is False

@@ -34,6 +34,7 @@ from harness.load.server import LlamaServer
 from harness.load.stats import RequestRecord, above_knee, capacity, meets, summarize, sweep_rates
 from harness.records import tracking
 from harness.run import runner
+from harness.run.hooks import Outcome
 from harness.run.llama_cpp import system_info
 from harness.sweep.isolated import run_isolated
 from harness.sweep.settings import SweepSettings
@@ -425,6 +426,36 @@ def test_no_server_outlives_a_sweep_cell_killed_by_its_timeout(compose, tmp_path
 def test_a_bad_load_value_is_refused_in_one_line_before_anything_starts(override, says):
     problem = precheck(["load.profile=rates", "load.rates=[1]", *override.split()])
     assert problem is not None and says in problem and "\n" not in problem
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("strategy=static_batch strategy.batch_size=16", "strategy StaticBatch16 does nothing there; drop the strategy and "
+                                                     "set load.parallel"),
+    ("strategy=continuous_batch", "strategy ContinuousBatch does nothing there"),
+    ("measure.compile=true", "measure.compile=true would not apply"),
+    ("measure.path=compiled", "measure.path=compiled would not apply"),
+    ("measure.repetitions=10", "does not read measure.repetitions=10: load.requests governs a load run"),
+    ("measure.context_depth=64", "does not read measure.context_depth=64"),
+    ("load.url=http://127.0.0.1:9 quantizer=int4", "load.url measures the server already running there, on its own "
+                                                  "weights: quantizer=int4 would only label its numbers"),
+])
+def test_a_setting_a_load_run_does_not_read_is_refused_in_one_line_naming_what_governs(override, says):
+    problem = precheck(["model=tiny_random", "load.profile=rates", "load.rates=[1]", *override.split()])
+    assert problem is not None and says in problem and "\n" not in problem and "config problems" not in problem
+
+
+def test_a_load_run_tags_what_its_target_ran_not_the_strategy_it_does_not_use(compose):
+    """The in-process target decodes eager continuous batching at load.parallel; a URL serves its own weights."""
+    outcome = Outcome(metrics={}, tags={"load.target": "in-process"}, samples=[])
+    exp = build(compose(["model=tiny_random", "load.profile=sweep", "load.parallel=4", "measure.path=eager"]))
+    tags = runner._result(exp, "cpu", 1, outcome).tags
+    assert (tags["strategy.name"], tags["measure.compile"], tags["measure.cache"]) == (
+        "continuous batching (load.parallel=4)", "false", "paged")
+    url = build(compose(["model=tiny_random", "load.profile=sweep", "load.url=http://127.0.0.1:9"]))
+    tags = runner._result(url, "cpu", 1, outcome).tags
+    assert tags["quantizer.name"] == "external" and tags["strategy.name"] == "external server (load.url)"
+    plain = build(compose(["model=tiny_random"]))  # not a load run: the strategy's own name
+    assert runner._result(plain, "cpu", 1, outcome).tags["strategy.name"] == "Greedy"
 
 
 def test_a_concurrency_needs_no_rates():

@@ -6,11 +6,12 @@ is refused in one line with exit 2 before a model loads or a server starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 from harness.errors import ConfigError, one_of
 from harness.load.lengths import spec_problem
-from harness.schema import Validated, no_password, positive
+from harness.schema import COMPILE_ONLY, Validated, no_password, positive, set_apart, shown
 
 PROFILES = ("off", "rates", "sweep")  # off: an ordinary run; rates: load.rates; sweep: guidellm's sweep
 ARRIVALS = ("poisson", "gamma", "constant", "concurrency")
@@ -109,3 +110,40 @@ class LoadConfig(Validated):
         if (err := spec_problem(str(self.lengths))):
             p.append(err)
         return p
+
+
+# measure settings a load run does not read, and the load option that governs there instead
+NOT_READ = {"repetitions": "load.requests", "warmup": "load.warmup_requests",
+            "context_depth": "load.lengths (no depth context is sent)",
+            "stop_at_eos": "load.lengths (outputs keep their drawn lengths)"}
+# decode settings a load target does not take: it decodes as it does (in process: eager, paged KV cache)
+NOT_TAKEN = {"compile": ("auto", False), "cache": ("auto", "dynamic"), "path": ("best", "eager"), **COMPILE_ONLY}
+
+
+def conflicts(load: LoadConfig | None, parts: dict, measure: Any) -> list[str]:
+    """Settings a load run would accept and record but not use: one line each, naming what governs instead.
+
+    A load run offers `load.requests` requests per rate to the target's own scheduler (transformers' continuous
+    batching in process, llama-server's slots, or the server at `load.url`), `load.parallel` decoded together:
+    the strategy, the timed repetitions and the compiled decode path of an ordinary run do not apply. With
+    `load.url` the server's weights are its own: a quantbench quantizer would only label its numbers."""
+    if load is None or not load.enabled or measure is None:
+        return []
+    p: list[str] = []
+    on = f"load.profile={load.profile}"
+    strategy = parts.get("strategy")
+    if strategy is not None and (strategy.batches_rows or not strategy.stepwise):
+        p.append(f"{on} decodes with the target's own continuous batching (load.parallel={load.parallel} requests "
+                 f"together): strategy {strategy.name} does nothing there; drop the strategy and set load.parallel")
+    defaults = {f.name: f.default for f in fields(type(measure)) if f.default is not MISSING}
+    for name, governs in NOT_READ.items():
+        if (v := getattr(measure, name, None)) != defaults.get(name, v):
+            p.append(f"{on} does not read measure.{name}={shown(v)}: {governs} governs a load run; drop it")
+    if odd := set_apart(measure, NOT_TAKEN):
+        p.append(f"{on}: the target decodes as it does (in process: eager, paged KV cache) and {', '.join(odd)} "
+                 "would not apply; drop it")
+    quantizer = parts.get("quantizer")
+    if load.url and quantizer is not None and quantizer.name != "none":
+        p.append(f"load.url measures the server already running there, on its own weights: quantizer={quantizer.name} "
+                 "would only label its numbers; drop it (the run is tagged quantizer.name=external)")
+    return p

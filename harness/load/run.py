@@ -69,6 +69,18 @@ def target_kind(exp: Experiment) -> str:
     return "url" if exp.load.url else ("llama-server" if exp.engine.name == "llama_cpp" else "in-process")
 
 
+def ran_tags(exp: Experiment) -> dict[str, str]:
+    """What a load target ran, in the tags an ordinary run fills from its strategy and decode settings (a load run
+    reads neither: harness/load/config.py `conflicts`); with load.url the weights are the server's own."""
+    kind, n = target_kind(exp), exp.load.parallel
+    if kind == "in-process":
+        return {"strategy.name": f"continuous batching (load.parallel={n})", "measure.compile": "false",
+                "measure.cache": "paged"}
+    if kind == "llama-server":
+        return {"strategy.name": f"llama-server slots (load.parallel={n})"}
+    return {"strategy.name": "external server (load.url)", "quantizer.name": "external", "quantizer.backend": ""}
+
+
 class LoadRun:
     """One experiment under open-loop load (module docstring)."""
 

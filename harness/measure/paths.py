@@ -259,7 +259,11 @@ def settle(exp: Any, device: str) -> Choice:
     cpu = env.cpu_info()
     gemv, gemv_by = gemv_choice(m.gemv, device, cpu)
     requested = m.path
-    if m.compile is True and auto.startswith("cuda: static"):
+    load = getattr(exp, "load", None)
+    if load is not None and load.enabled:  # the load target decodes as it does (harness/load/run.py)
+        choice = Choice("eager", f"load.profile={load.profile}: the load target runs its own continuous batching",
+                        gemv, gemv_by, requested)
+    elif m.compile is True and auto.startswith("cuda: static"):
         choice = Choice("compiled", f"measure.compile=auto on {device}: {auto}", gemv, gemv_by, requested)
     elif m.compile is True:  # the low-level switches were set by hand: they win, and say so
         path = "freezing" if m.compile_freezing else "compiled"

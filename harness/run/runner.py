@@ -18,7 +18,7 @@ from typing import Any
 from harness import env, measure
 from harness.config import Experiment, build, to_plain
 from harness.errors import QuantbenchError, Unsupported
-from harness.load.run import LoadFailed, LoadRun
+from harness.load.run import LoadFailed, LoadRun, ran_tags
 from harness.run.pipeline import Pipeline, run_name
 from harness.run.result import Result, config_hash
 
@@ -47,6 +47,8 @@ def _result(exp: Experiment, device: str, threads: int, outcome: Any, status: st
                  "strategy.name": exp.strategy.name, "model.name": exp.model.name, "engine": exp.engine.name,
                  "measure.cache": m.cache, "measure.compile": str(m.compile).lower(),
                  "stop_at_eos": str(m.stop_at_eos).lower()})
+    if exp.load.enabled:  # the target's own scheduler ran, not the strategy or decode path of the config
+        tags.update(ran_tags(exp))
     metrics = {k: float(v) for k, v in outcome.metrics.items() if isinstance(v, (int, float))}
     return Result(status=status, config=exp.config, metrics=metrics, tags=tags, samples=outcome.samples,
                   children=outcome.children)
