@@ -148,13 +148,17 @@ _TABLE: list[Metric] = [
     Metric("peak_mem_mb", "MiB", _L, "memory", "peak RSS on CPU (reset before loading), max allocated on CUDA"),
     # ---- roofline (harness/analysis/roofline.py)
     Metric("bandwidth_gb_per_s", "GB/s", _N, "roofline", "memory bandwidth measured on this machine"),
-    Metric("bytes_per_step", "bytes", _L, "roofline", "bytes a decode step reads: stored weights + KV cache"),
-    Metric("roofline_tokens_per_s", "tokens/s", _N, "roofline", "batch x bandwidth / bytes per step: the bound",
+    Metric("bytes_per_step", "bytes", _L, "roofline", "bytes a decode step reads: stored weights + KV cache "
+           "(speculative: a verify step's, with k draft forwards' weights + KV)"),
+    Metric("roofline_tokens_per_s", "tokens/s", _N, "roofline",
+           "tokens per step (batch; speculative: per verify step) x bandwidth / bytes per step: the bound",
            Column("bound tok/s", "{:.0f}", 81)),
-    Metric("roofline_fraction", "ratio", _H, "roofline", "decode tokens/s / the bound",
+    Metric("roofline_fraction", "ratio", _H, "roofline", "decode tokens/s / the bound = achieved / measured "
+           "bandwidth (speculative: of the whole draft + verify step; tag roofline_accounting)",
            Column("roofline", "{:.3f}", 80)),
     Metric("achieved_gb_per_s", "GB/s", _H, "roofline", "bytes per step x decode steps/s"),
-    Metric("kv_context_mean", "tokens", _N, "roofline", "mean KV context length over the timed steps"),
+    Metric("kv_context_mean", "tokens", _N, "roofline",
+           "mean KV context length over the timed steps (speculative: the target's, per verify)"),
     # ---- accuracy (harness/analysis/accuracy.py, harness/run/llama_cpp.py)
     Metric("perplexity", "ppl", _L, "accuracy", "perplexity over accuracy.corpus",
            Column("perplexity", "{:.3f}", 40, always=True), gate="accuracy"),

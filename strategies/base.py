@@ -90,5 +90,11 @@ class Strategy:
         """Strategy-specific metrics over the timed generations."""
         return {"batch_size": float(self.batch_size)}
 
+    def roofline_step(self, generations: list[Generation]) -> Any:
+        """None: a decode step is one target forward per batch row, emitting `batch_size` tokens (the roofline's
+        own accounting). A strategy whose step is more (speculative: draft forwards + a verify) returns a
+        `harness.analysis.roofline.StepWork` measured over the timed generations."""
+        return None
+
     def teardown(self) -> None:
         """Free what setup loaded."""

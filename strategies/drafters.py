@@ -1,8 +1,9 @@
 """The drafters of speculative decoding (strategies/speculative.py) and the forward they share with its loop.
 
 A drafter has `reset()` (a new prompt), `propose(seq, k) -> up to k tokens` and `rollback(keep)` (drop what the
-target rejected). `ModelDrafter`: greedy proposals from a draft model with its own KV cache; `LookupDrafter`:
-prompt lookup, no model.
+target rejected), and counts what it read since `reset()` for the roofline: `forwards` (draft-model forwards,
+each a read of its weights) and `kv_read` (KV positions those forwards attended over). `ModelDrafter`: greedy
+proposals from a draft model with its own KV cache; `LookupDrafter`: prompt lookup, no model (reads neither).
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ class ModelDrafter:
         self.model, self.device, self.gemv_aten = model, device, gemv_aten  # gemv_aten: see run_forward
         self.cache: Any = None
         self.n = 0  # tokens held in the draft cache
+        self.forwards = self.kv_read = 0  # since reset (module docstring)
 
     def reset(self) -> None:
         from transformers import DynamicCache
 
         self.cache, self.n = DynamicCache(config=self.model.config), 0
+        self.forwards = self.kv_read = 0
 
     def propose(self, seq: list[int], k: int) -> list[int]:
         out: list[int] = []
@@ -60,6 +63,8 @@ class ModelDrafter:
             logits = run_forward(self.model, ids, self.n, self.cache, self.device, last=True,
                                  gemv_aten=self.gemv_aten)
             self.n += len(ids)
+            self.forwards += 1
+            self.kv_read += self.n  # the forward attends over everything cached, its own tokens included
             ids = [int(logits[-1].argmax())]
             out.append(ids[0])
         return out  # the cache now holds seq + out[:-1]
@@ -75,6 +80,7 @@ class LookupDrafter:
 
     ngram_max: int = 3
     ngram_min: int = 1
+    forwards = kv_read = 0  # no draft model: reads no weights, no KV (class constants, not fields)
 
     def reset(self) -> None:
         pass

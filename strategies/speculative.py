@@ -26,6 +26,10 @@ exactly). `strategy.match=near_tie` (default) then replays plain greedy with the
 forced (harness/measure/near_tie.py, the same check as the compiled path's `measure.compile_match`) and fails
 the run only if some speculative token lies more than NEAR_TIE_ULPS ulps below greedy's top logit; it
 records `spec_tie_flips` and `spec_max_gap_ulps`. `strategy.match=strict` fails on any difference.
+
+Roofline (`roofline_step`, docs/roofline.md): a step is one speculative step, the k draft forwards and the
+verify; it reads the target's weights and KV once and the draft model's weights once per draft forward, plus the
+KV those forwards read (prompt lookup reads no draft bytes), and emits `tokens_per_verify_step` tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from harness import gguf_meta
+from harness.analysis.roofline import StepWork, shape_from_torch
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.measure import Generation, grad_mode, model_grad_mode, near_tie, now, percentile, resolve_device, sync
 from quantizers.dtype import Dtype
@@ -76,6 +81,7 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
     steps: list[tuple[int, int]] = []  # (drafted, accepted) per verification step
     step_s: list[float] = []
     draft_s = verify_s = 0.0
+    kv_read = 0  # KV positions the verify forwards attended over (roofline)
     while not done and len(gen) < opts.max_new_tokens:
         kk = min(k, opts.max_new_tokens - len(gen) - 1)  # never draft past the token budget
         sync(device)
@@ -96,6 +102,7 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
         crop_to(cache, have + 1 + len(draft), len(seq) + n)  # drop the KV of rejected draft tokens
         sync(device)
         t_end = now()
+        kv_read += have + 1 + len(draft)  # the verify attends over the cache and its own k+1 tokens
         if opts.stop_at_eos and opts.eos_token_id in new:
             new = new[: new.index(opts.eos_token_id) + 1]
             done = True
@@ -113,7 +120,8 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
     decode_wall = now() - t_first if steps else 0.0
     return Generation(sequences=[gen], prompt_tokens=len(prompt), ttft_s=ttft, step_s=step_s,
                       decode_tokens=len(gen) - 1, decode_wall_s=decode_wall,
-                      stats={"steps": steps, "draft_s": draft_s, "verify_s": verify_s})
+                      stats={"steps": steps, "draft_s": draft_s, "verify_s": verify_s, "kv_read": kv_read,
+                             "draft_forwards": drafter.forwards, "draft_kv_read": drafter.kv_read})
 
 
 @model_grad_mode  # inference_mode, or no_grad where the quantizer needs it (quanto int4)
@@ -173,6 +181,7 @@ class Speculative(Strategy):
     _target_source: Any = field(default=None, repr=False)
     _drafter: Any = field(default=None, repr=False)
     _draft_metrics: dict = field(default_factory=dict, repr=False)
+    _draft_shape: Any = field(default=None, repr=False)  # the draft model's roofline.ModelShape; None: no model
     _order: dict = field(default_factory=dict, repr=False)  # prompt -> (first-seen index, calls so far)
 
     def __post_init__(self) -> None:
@@ -228,7 +237,7 @@ class Speculative(Strategy):
 
     def setup(self, *, model: Any, tokenizer: Any, opts: DecodeOptions, experiment: Any) -> None:
         if self.draft == "prompt_lookup":
-            self._drafter = LookupDrafter(self.ngram_max, self.ngram_min)
+            self._drafter, self._draft_shape = LookupDrafter(self.ngram_max, self.ngram_min), None
             return
         source, quantizer = self.side_model()
         source = source or experiment.model
@@ -237,6 +246,7 @@ class Speculative(Strategy):
         audit = quantizer.audit(draft)
         self._draft_metrics = {"draft_load_s": now() - t0, "draft_bits_per_weight": audit["bits_per_weight"],
                                "draft_weight_bytes": audit["weight_bytes"]}
+        self._draft_shape = shape_from_torch(draft)  # kept past teardown: the roofline is computed after it
         self._drafter = ModelDrafter(draft, opts.device, opts.gemv_aten)
 
     def teardown(self) -> None:
@@ -324,3 +334,17 @@ class Speculative(Strategy):
             out[f"accepted_len_{n}"] = sum(1 for _, a in drafted if a == n) / len(drafted) if drafted else 0.0
         out.update(self._draft_metrics)
         return out
+
+    def roofline_step(self, generations: list[Generation]) -> StepWork:
+        """Per speculative step (module docstring): the target's KV per verify, the draft model's weights once per
+        draft forward and its KV reads (none for prompt lookup), tokens emitted per verify step."""
+        n = sum(len(g.stats["steps"]) for g in generations)
+        per = max(n, 1)
+        extra = 0.0
+        if self._draft_shape is not None:
+            forwards = sum(g.stats["draft_forwards"] for g in generations)
+            kv = sum(g.stats["draft_kv_read"] for g in generations)
+            extra = (forwards * self._draft_shape.weights_read(1) + kv * self._draft_shape.kv_bytes_per_token) / per
+        return StepWork(context=sum(g.stats["kv_read"] for g in generations) / per, extra_bytes=extra,
+                        tokens_per_step=sum(g.decode_tokens for g in generations) / n if n else float("nan"),
+                        accounting="verify_step+draft" if self._draft_shape is not None else "verify_step")

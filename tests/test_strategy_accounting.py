@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness.analysis import roofline
+from harness.analysis.bandwidth import Bandwidth
 from harness.config import build
 from harness.measure import Generation, memory
 from harness.models import TinyRandom, load_pretrained
@@ -96,6 +98,8 @@ class OneRight:
 
     def __init__(self, ref: list[int]):
         self.ref, self.proposed = ref, []
+
+    forwards = kv_read = 0  # no draft model (strategies/drafters.py)
 
     def reset(self):
         pass
@@ -262,3 +266,48 @@ def test_the_greedy_reference_is_neither_metered_nor_timed(target, tmp_path, mon
     assert pipe.metrics["energy_j"] == pytest.approx(forwards["spec"])  # was spec + greedy forwards
     assert gen.e2e_s <= wall - 0.1 and gen.decode_wall_s <= gen.e2e_s
     assert isinstance(pipe.unmetered(), contextlib.nullcontext)  # no meter outside the timed repetitions
+
+
+def copy_draft_strategy(draft, k: int = 3) -> Speculative:
+    """A model-draft Speculative whose draft_quantizer loads `draft` (no file, no quantizer library)."""
+    quantizer = SimpleNamespace(load=lambda *a, **k: draft, audit=lambda m: {"bits_per_weight": 16.0, "weight_bytes": 1.0})
+    return Speculative(draft="model", num_draft_tokens=k, draft_quantizer=quantizer)
+
+
+@pytest.mark.parametrize("draft", ["model", "prompt_lookup"])
+def test_speculative_roofline_counts_the_draft_per_verify_step(target, bf16_draft, monkeypatch, tmp_path, draft):
+    """The roofline of a speculative step (draft forwards + verify): the target's weights and verify KV once, the
+    draft model's weights once per draft forward plus the KV those read (counted here from the forwards that ran),
+    over the tokens a verify step emits; so roofline_fraction is the share of the bandwidth the whole step reached.
+    Was: the target's bytes alone, per emitted token, against tokens/s (above 1 whenever drafts were accepted)."""
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    bw = Bandwidth(10e9, "seeded by the test")
+    monkeypatch.setattr(roofline, "host_bandwidth", lambda device, threads: bw)
+    opts = DecodeOptions(max_new_tokens=10)
+    strategy = copy_draft_strategy(bf16_draft) if draft == "model" else Speculative(draft="prompt_lookup")
+    strategy.setup(model=target, tokenizer=None, opts=opts, experiment=SimpleNamespace(model=TinyRandom()))
+    spy = Spy(target=target, draft=bf16_draft)
+    try:  # the loop generate() times (its greedy reference is neither timed nor counted)
+        gens = [speculative_generate(target, prompt, opts, strategy._drafter, strategy.num_draft_tokens)
+                for prompt in ([9, 10, 11, 9, 10, 11, 12], [5, 6, 7])]
+    finally:
+        spy.remove()
+    strategy.teardown()  # the pipeline computes the roofline after teardown
+    verify = [c for c in spy.calls["target"] if c[1] > 0]  # every target forward but the prefills
+    steps = sum(len(g.stats["steps"]) for g in gens)
+    assert len(verify) == steps
+    t, d = roofline.shape_from_torch(target), roofline.shape_from_torch(bf16_draft)
+    drafts = spy.calls["draft"]
+    assert (len(drafts) > steps) == (draft == "model")  # k draft forwards per step (the copy is right)
+    want = (t.weights_read(1) + t.kv_bytes_per_token * sum(n + start for n, start, *_ in verify) / steps
+            + (len(drafts) * d.weights_read(1) + d.kv_bytes_per_token * sum(n + start for n, start, *_ in drafts)) / steps)
+    metrics, tags = {"batch_size": 1.0, "decode_tokens_per_s": 50.0}, {}
+    tokens = sum(g.decode_tokens for g in gens)
+    roofline.annotate(metrics, tags, t, "cpu", 1, 0.0, {"case": draft}, "spec", strategy.roofline_step(gens))
+    assert metrics["bytes_per_step"] == pytest.approx(want)
+    assert metrics["roofline_tokens_per_s"] == pytest.approx(tokens / steps * 10e9 / want)
+    verify_steps_per_s = 50.0 / (tokens / steps)
+    assert metrics["roofline_fraction"] == pytest.approx(verify_steps_per_s * want / 10e9)
+    assert metrics["achieved_gb_per_s"] == pytest.approx(verify_steps_per_s * want / 1e9)
+    assert tags["roofline_accounting"] == {"model": "verify_step+draft", "prompt_lookup": "verify_step"}[draft]
+

@@ -19,7 +19,9 @@ Three pieces, all used on every run:
   batch x layers x 2 (K and V) x kv_heads x head_dim x bytes per element x context, averaged over the
   decode steps actually run (left-padded batches read their padded width).
 - `roofline_metrics`: `roofline_tokens_per_s` = batch x bandwidth / bytes_per_step, `roofline_fraction`
-  = achieved / roofline, `achieved_gb_per_s` = bytes_per_step x steps per second.
+  = achieved / roofline, `achieved_gb_per_s` = bytes_per_step x steps per second. A strategy whose step is
+  more than one target forward per batch row (speculative: draft forwards + a verify) gives a `StepWork`:
+  its bytes per step and the tokens a step emits stand in for the batch (tag `roofline_accounting`).
 
 "slow kernel path?": a run reaching less than `SLOW_FRACTION` of its bound while a lighter format
 (fewer bytes per step) is not faster than a heavier one on the same model, engine, device, threads,
@@ -153,18 +155,36 @@ def bytes_per_step(shape: ModelShape, batch: int, context: float) -> float:
     return shape.weights_read(batch) + batch * shape.kv_bytes_per_token * context
 
 
+STEP_ACCOUNTING = "decode_step"  # tag roofline_accounting of a step that is one target forward per batch row
+
+
+@dataclass
+class StepWork:
+    """A decode step that is more than one target forward per batch row (`Strategy.roofline_step`), measured.
+
+    Speculative: k draft forwards + one verify forward per step (docs/roofline.md)."""
+
+    context: float  # the target's mean KV length read per step
+    extra_bytes: float  # read per step besides the target's weights and KV (a draft model's weights and KV)
+    tokens_per_step: float  # tokens a step emits on average (stands in for the batch)
+    accounting: str  # tag roofline_accounting
+
+
 def roofline_metrics(shape: ModelShape, bw: Bandwidth, batch: int, context: float,
-                     decode_tokens_per_s: float) -> dict[str, float]:
-    """The five roofline metrics (names are a contract)."""
-    step = bytes_per_step(shape, batch, context)
-    bound = batch * bw.bytes_per_s / step
+                     decode_tokens_per_s: float, work: StepWork | None = None) -> dict[str, float]:
+    """The roofline metrics (names are a contract); `work`: a step of more than one target forward per row (its
+    context replaces `context`)."""
+    context = work.context if work is not None else context
+    step = bytes_per_step(shape, batch, context) + (work.extra_bytes if work is not None else 0.0)
+    per_step = work.tokens_per_step if work is not None else batch  # tokens one step emits
+    bound = per_step * bw.bytes_per_s / step
     achieved = decode_tokens_per_s if decode_tokens_per_s == decode_tokens_per_s else float("nan")
     return {
         "bandwidth_gb_per_s": bw.gb_per_s,
         "bytes_per_step": step,
         "roofline_tokens_per_s": bound,
         "roofline_fraction": achieved / bound,
-        "achieved_gb_per_s": achieved / batch * step / 1e9,
+        "achieved_gb_per_s": achieved / per_step * step / 1e9,
         "kv_context_mean": context,
     }
 
@@ -247,12 +267,14 @@ def check_slow_kernel(group: dict, label: str, metrics: dict, device: str, threa
 
 
 def annotate(metrics: dict, tags: dict, shape: ModelShape, device: str, threads: int, context: float,
-             group: dict, label: str) -> None:
-    """Add the roofline metrics and tags of one run in place (used by every engine)."""
+             group: dict, label: str, work: StepWork | None = None) -> None:
+    """Add the roofline metrics and tags of one run in place (used by every engine; `work`: see StepWork)."""
     bw = host_bandwidth(device, threads)
     batch = int(metrics.get("batch_size", 1) or 1)
-    metrics.update(roofline_metrics(shape, bw, batch, context, float(metrics.get("decode_tokens_per_s", math.nan))))
+    metrics.update(roofline_metrics(shape, bw, batch, context, float(metrics.get("decode_tokens_per_s", math.nan)),
+                                    work))
     tags["bandwidth_method"] = bw.method
+    tags["roofline_accounting"] = work.accounting if work is not None else STEP_ACCOUNTING
     if math.isfinite(metrics["roofline_fraction"]):
         warning = check_slow_kernel({**group, "batch": batch, "device": device, "threads": threads}, label,
                                     metrics, device, threads, kernel=tags.get("kernel.linear", ""))

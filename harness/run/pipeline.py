@@ -220,8 +220,9 @@ class Pipeline:
             context = roofline.fixed_context(lengths)
         else:
             context = roofline.mean_context(widths)
+        work = self.exp.strategy.roofline_step(gens)  # a step of more than one target forward (speculative)
         roofline.annotate(self.metrics, self.tags, self.session.shape(), self.device, self.threads, context,
-                          roofline.run_group(self.exp, self.exp.engine.name), self.session.label)
+                          roofline.run_group(self.exp, self.exp.engine.name), self.session.label, work)
 
     def samples(self, gens: list[Generation]) -> list[dict]:
         """The first repetition's generations, decoded (cut at EOS)."""
