@@ -1,6 +1,7 @@
 """Test-only slowdowns of a decode step, for calibrating the regression gate (benchmarks/gate_calibration.py).
 
-Both act inside the timed region of every decode step (strategies/decode.py, the gate's block decoder):
+Both act inside the timed region of every decode step (strategies/decode.py, the gate's block decoder; a
+speculative step, draft + verify, in strategies/speculative.py; llama.cpp's in harness/run/llama_cpp.py):
 
 - `inject_slowdown=f` (spin-wait): every step also busy-waits for f x that step's own CPU time, counted
   in this thread's CPU time (`time.thread_time`). It is not work: it neither uses the caches nor competes

@@ -29,11 +29,14 @@ records `spec_tie_flips` and `spec_max_gap_ulps`. `strategy.match=strict` fails 
 
 Roofline (`roofline_step`, docs/roofline.md): a step is one speculative step, the k draft forwards and the
 verify; it reads the target's weights and KV once and the draft model's weights once per draft forward, plus the
-KV those forwards read (prompt lookup reads no draft bytes), and emits `tokens_per_verify_step` tokens.
+KV those forwards read (prompt lookup reads no draft bytes), and emits `tokens_per_verify_step` tokens. The test-only
+`measure.inject_slowdown`/`inject_work` stretch that whole step, as greedy's (strategies/inject.py); the greedy
+reference runs without them, so the injected work is sized from speculative steps alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -48,6 +51,7 @@ from quantizers.dtype import Dtype
 from strategies.base import DecodeOptions, Strategy
 from strategies.decode import greedy_generate
 from strategies.drafters import LookupDrafter, ModelDrafter, crop_to, run_forward
+from strategies.inject import injected_step
 
 DRAFTS = ("model", "prompt_lookup")
 log = logging.getLogger("quantbench")
@@ -103,6 +107,8 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
         sync(device)
         t_end = now()
         kv_read += have + 1 + len(draft)  # the verify attends over the cache and its own k+1 tokens
+        if opts.inject_slowdown > 0 or opts.inject_work > 0:  # test-only: a slower step, inside the timing
+            t_end = t + injected_step(opts, t, t_end - t)  # the whole step (draft + verify), as greedy's
         if opts.stop_at_eos and opts.eos_token_id in new:
             new = new[: new.index(opts.eos_token_id) + 1]
             done = True
@@ -257,14 +263,17 @@ class Speculative(Strategy):
             raise QuantbenchError("strategy=speculative runs batch 1 (one prompt per call)")
         greedy_first = self.greedy_first(batch[0])
         # the reference work (greedy, its near-tie replay) runs off the energy meter: the run's energy is the
-        # speculative calls', over their tokens (spec's own times never include it)
+        # speculative calls', over their tokens (spec's own times never include it); and without the test-only
+        # injected cost, whose state (spin mark, work sizer) lives on `opts` for the speculative steps alone
+        quiet = (dataclasses.replace(opts, inject_slowdown=0.0, inject_work=0.0)
+                 if opts.inject_slowdown > 0 or opts.inject_work > 0 else opts)
         if greedy_first:
             with opts.off_meter():
-                ref = greedy_generate(model, batch, opts)
+                ref = greedy_generate(model, batch, quiet)
         spec = speculative_generate(model, batch[0], opts, self._drafter, self.num_draft_tokens)
         if not greedy_first:
             with opts.off_meter():
-                ref = greedy_generate(model, batch, opts)
+                ref = greedy_generate(model, batch, quiet)
         got, want = spec.sequences[0], ref.sequences[0]
         flips, gap = 0, 0.0
         if got != want:
@@ -274,7 +283,7 @@ class Speculative(Strategy):
             if self.match == "strict":
                 raise QuantbenchError(f"{where} (strategy.match=strict); {tie_note(model, batch[0], want, at)}")
             with opts.off_meter():
-                flips, gap = near_tie.replay(lambda: greedy_generate(model, batch, opts), opts, [got])
+                flips, gap = near_tie.replay(lambda: greedy_generate(model, batch, quiet), quiet, [got])
             if gap > near_tie.NEAR_TIE_ULPS:
                 raise QuantbenchError(f"{where}: plain greedy scores a speculative token {gap:.1f} ulps below its top "
                                       f"choice (more than the {near_tie.NEAR_TIE_ULPS:g} a rounding flip of a near-tie "

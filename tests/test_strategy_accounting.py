@@ -311,3 +311,28 @@ def test_speculative_roofline_counts_the_draft_per_verify_step(target, bf16_draf
     assert metrics["achieved_gb_per_s"] == pytest.approx(verify_steps_per_s * want / 1e9)
     assert tags["roofline_accounting"] == {"model": "verify_step+draft", "prompt_lookup": "verify_step"}[draft]
 
+
+def test_injected_slowdown_stretches_each_speculative_step(target, monkeypatch):
+    """measure.inject_slowdown / inject_work (the gate's calibration) stretch every speculative step, inside its
+    timing, as greedy's steps; the greedy reference runs without them. Was: the speculative loop ignored them."""
+    import strategies.decode as decode
+    import strategies.speculative as spec
+
+    calls = []
+
+    def spy(opts, t, dt):
+        calls.append((opts.inject_slowdown, opts.inject_work, dt))
+        return dt + 1.0
+
+    monkeypatch.setattr(spec, "injected_step", spy)
+    monkeypatch.setattr(decode, "injected_step", lambda *a: pytest.fail("the greedy reference was slowed"))
+    strategy = Speculative(draft="prompt_lookup", num_draft_tokens=3)
+    strategy.setup(model=target, tokenizer=None, opts=DecodeOptions(), experiment=None)
+    for kw in ({"inject_slowdown": 0.25}, {"inject_work": 0.5}):
+        calls.clear()
+        gen = strategy.generate(target, [[9, 10, 11, 9, 10, 11]], DecodeOptions(max_new_tokens=8, **kw))
+        steps = len(gen.stats["steps"])
+        assert len(calls) == steps > 0 and all((c[0], c[1]) == (kw.get("inject_slowdown", 0.0),
+                                                                 kw.get("inject_work", 0.0)) for c in calls)
+        assert sum(gen.step_s) == pytest.approx(steps + sum(c[2] for c in calls))  # the steps' times include it
+        assert gen.stats["verify_s"] >= steps  # counted with the target's step (the real cost is on the wall clock)
