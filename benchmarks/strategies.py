@@ -113,11 +113,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--draft-tokens", default="2,4,8")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 4 new tokens, one rep, 2 draft tokens (seconds)")
+    ap.add_argument("--tables", default="batching,speculative", help="which tables: batching, speculative or both")
     args = ap.parse_args()
+    tables = set(args.tables.split(","))
+    if not tables or tables - {"batching", "speculative"}:
+        ap.error(f"--tables {args.tables}: give batching, speculative or both (comma-separated)")
     if args.smoke:
         args.new_tokens, args.reps, args.draft_tokens = 4, 1, "2"
 
-    from harness import measure, quiet_third_party
+    from harness import env, measure, quiet_third_party
     from harness.measure.prompts import PROMPT_SETS
     from harness.models import EmbeddedGGUF, TinyRandom, load_tokenizer
     from harness.run.engines import encode_prompts
@@ -128,9 +132,13 @@ def main() -> None:
     tok = load_tokenizer(source)
     sets = {name: encode_prompts(tok, PROMPT_SETS[name], True) for name in ("default", "edit")}
     print(f"SmolLM2-135M, {threads} threads, {args.new_tokens} new tokens, greedy", flush=True)
-    t1 = batching_table(source, tok, sets["default"], args.new_tokens, args.reps)
-    print("\n### Static batching: decode tokens/s (aggregate), default prompts cycled\n")  # printed now: the
-    print("\n".join(t1), flush=True)  # speculative table takes ~25 min on 2 loaded cores
+    print(f"CPU: {env.cpu_info().describe()}", flush=True)
+    if "batching" in tables:
+        t1 = batching_table(source, tok, sets["default"], args.new_tokens, args.reps)
+        print("\n### Static batching: decode tokens/s (aggregate), default prompts cycled\n")  # printed now: the
+        print("\n".join(t1), flush=True)  # speculative table takes ~25 min on 2 loaded cores
+    if "speculative" not in tables:
+        return
     t2 = speculative_table(source, tok, sets, args.new_tokens, tuple(int(x) for x in args.draft_tokens.split(",")))
     print("\n### Speculative decoding, fp32 target, batch 1 (speedup = greedy wall time / speculative wall time)\n")
     print("\n".join(t2))
