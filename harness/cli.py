@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -21,13 +20,13 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 from harness.config import build, register_configs
 from harness.errors import QuantbenchError
 from harness.measure import memory
+from harness.options import CONF_DIR as CONF
 from harness.options import KINDS, unknown_key
 from harness.records import tracking
 from harness.records.results import summary_line
 from harness.run import runner
 from harness.sweep.settings import planned_cells
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
 HYDRA_RUN_FLAGS = ("-m", "--multirun")  # other Hydra flags (--help, --cfg, --info, -c ...) skip the precheck
 GROUPS = ("model", "quantizer", "strategy", "engine")
 LOCAL_LAUNCHERS = ("BasicLauncher", "LocalLauncher", "JoblibLauncher")  # cells on this machine (its cores)

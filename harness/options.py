@@ -19,6 +19,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from harness.errors import ConfigError
+from harness.schema import shown
 from harness.targets import fields_of, target_class, target_problems
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -34,9 +35,9 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def shown(value: Any) -> str:
-    """A value as it is written on the command line (true, not True)."""
-    return str(value).lower() if isinstance(value, bool) else repr(value)
+def quoted(value: Any) -> str:
+    """A value as the command line spells it (schema.shown), a string in quotes: `'abc'` reads as the value given."""
+    return repr(value) if isinstance(value, str) else shown(value)
 
 
 def fits(kind: str, value: Any) -> bool:
@@ -89,7 +90,7 @@ def nested_problem(key: str, group: str, value: Any) -> str:
     """A string where a nested option (a `group` config) goes: how Hydra's `group@key` override picks one."""
     plain, allowed = group.lstrip("+"), options(group.lstrip("+"))
     pick = value if value in allowed else "<option>"
-    return (f"{key}={shown(value)} is a name, not a {plain} config: pick the option with {group}@{key}={pick} "
+    return (f"{key}={quoted(value)} is a name, not a {plain} config: pick the option with {group}@{key}={pick} "
             f"(one of: {', '.join(allowed)})")
 
 
@@ -112,7 +113,7 @@ def value_problems(section: str, node: dict) -> list[str]:
         elif f.name in nested and value is not None:
             p.append(nested_problem(key, nested[f.name], value))
         elif not fits(kind, value):
-            p.append(f"{key}={shown(value)} must be {KINDS.get(kind, kind)}")
+            p.append(f"{key}={quoted(value)} must be {KINDS.get(kind, kind)}")
     return p
 
 
