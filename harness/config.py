@@ -25,6 +25,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from harness import cgroup
 from harness.analysis import corpus, task_accuracy, tasks
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.load.config import LoadConfig, SloConfig, conflicts
@@ -291,7 +292,7 @@ def to_plain(cfg: DictConfig | dict) -> dict:
 def cores_problem(threads: Any, cores: int | None) -> str | None:
     """measure.threads beyond the cores the run will have (`cores`: None = this process's, 0 = unknown)."""
     where = "this process may use" if cores is None else "each cell gets (hydra.launcher.cpus_per_task)"
-    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    cores = cgroup.usable_cpus() if cores is None else cores  # the default threads' count: affinity, CPU quota
     if cores and isinstance(threads, int) and not isinstance(threads, bool) and threads > cores:
         return (f"measure.threads={threads} is more than the {cores} cores {where} (threads beyond them only wait "
                 f"for a core and slow every step); give 1-{cores}, or 0 for all")

@@ -9,7 +9,7 @@ import psutil
 import pytest
 import torch
 
-from harness import cgroup, measure
+from harness import cgroup, config, measure
 from harness.measure import memory
 
 GIB = 2**30
@@ -81,3 +81,11 @@ def test_a_cpu_quota_caps_the_default_threads(tree, layout, files, expected):
         assert measure.set_threads(0) == cgroup.usable_cpus() and measure.set_threads(1) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_measure_threads_beyond_the_cpu_quota_is_refused(tree):
+    root, proc = tree
+    proc.write_text("0::/job\n")
+    _files(root / "job", **{"cpu.max": "100000 100000"})  # one CPU's worth, whatever the affinity
+    assert "measure.threads=2 is more than the 1 cores this process may use" in config.cores_problem(2, None)
+    assert config.cores_problem(1, None) is None
