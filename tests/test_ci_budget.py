@@ -43,6 +43,22 @@ def test_over_budget_warns_once_naming_the_three_slowest_phases_and_tests(tmp_pa
     assert tests[0].startswith("tests/test_docs.py::test_documented_command_runs[README.md:276: python run.py")
 
 
+
+def test_over_budget_under_pipefail_warns_and_keeps_the_exit_code_of_the_run(tmp_path):
+    """.ci/run sources the summary under `set -euo pipefail` in its EXIT trap. A `sort | head -3` there got SIGPIPE
+    once sort's output outgrew what head read (a 22-minute cold CI on 2026-12-06 exited 141, no warning line): the
+    summary must read the whole log and return the run's own code. 3,000 duration lines: far past a pipe's buffer."""
+    log = tmp_path / "tests.log"
+    log.write_text("".join(f"{i / 100:.2f}s call     tests/test_x.py::test_{i}[{'p' * 60}]\n" for i in range(3000)))
+    script = (f'set -euo pipefail; source "{ROOT}/scripts/ci_budget.sh"; '
+              f'ci_summary 1362 900 "{log}" "464 setup" "878 tests" "20 gate"; echo "rc=$?"')
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "rc=0" and lines[1].startswith("ci: warning: 22:42 is over the 15:00 budget")
+    assert [t.rsplit(" ", 1)[1] for t in lines[1].split("slowest tests: ")[1].split("; ")] == ["29.99s", "29.98s",
+                                                                                              "29.97s"]
+
 @pytest.mark.parametrize("gate_code", [0, 1, 2])
 def test_make_gate_exits_2_on_any_failure_but_keeps_the_gates_own_code(tmp_path, gate_code):
     shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
