@@ -123,6 +123,11 @@ class MeasureConfig(Validated):
         return p
 
 
+# the KL runs on chunks of this many scored tokens in float64 (harness/analysis/accuracy.py; the memory estimate
+# counts its temporaries: harness/measure/memory.py): 128 x 49152 x 8 B = 50 MB per temporary
+KL_CHUNK_ROWS = 128
+
+
 @dataclass
 class AccuracyConfig(Validated):
     """Perplexity and agreement with the unquantized reference, on one corpus."""

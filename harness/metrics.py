@@ -36,7 +36,7 @@ __all__ = ["BETTER", "PHASES", "Column", "Metric", "METRICS", "HEADLINE", "DIREC
 
 _TABLE: list[Metric] = [
     # ---- preflight (harness/measure/memory.py)
-    Metric("mem_estimate_mb", "MiB", _N, "preflight", "peak memory the run was estimated to need, before loading"),
+    Metric("mem_estimate_mb", "MiB", _N, "preflight", "peak memory the whole run (reference, load, decode, accuracy) was estimated to need, before loading"),
     Metric("mem_available_mb", "MiB", _N, "preflight", "memory free for the run when it was estimated"),
     # ---- load (quantizers' audit and last_metrics, the llama.cpp conversion)
     Metric("load_s", "s", _L, "load", "loading the model, quantization included"),
@@ -145,7 +145,8 @@ _TABLE: list[Metric] = [
     Metric("linear_floor_share", "ratio", _N, "profile", "linear_floor_ms / the decode step (batch / decode tokens/s)"),
     Metric("step_rest_ms", "ms", _L, "profile", "decode step - linear_floor_ms: attention, norms, sampling, overhead"),
     # ---- memory (harness/measure/__init__.py)
-    Metric("peak_mem_mb", "MiB", _L, "memory", "peak RSS on CPU (reset before loading), max allocated on CUDA"),
+    Metric("peak_mem_mb", "MiB", _L, "memory", "peak RSS on CPU from loading through the timed decode (reset "
+           "before loading; the accuracy pass after it is not in it), max allocated on CUDA"),
     # ---- roofline (harness/analysis/roofline.py)
     Metric("bandwidth_gb_per_s", "GB/s", _N, "roofline", "memory bandwidth measured on this machine"),
     Metric("bytes_per_step", "bytes", _L, "roofline", "bytes a decode step reads: stored weights + KV cache "

@@ -269,3 +269,39 @@ def test_runs_tag_what_the_unquantized_reference_is_stored_as(compose, cache, tm
 def test_kl_reference_must_be_exact_or_topk(compose):
     with pytest.raises(ConfigError, match="accuracy.kl_reference='full' is not allowed; choose one of: exact, topk"):
         build(compose([*FAST, "accuracy.kl_reference=full"]))
+
+
+def test_the_memory_estimate_covers_what_the_accuracy_pass_holds():
+    """Measured, not assumed: a scored pass with the KL at SmolLM2's vocabulary (49,152) and window (512), the model
+    a stand-in whose logits cost nothing to make, lifts the RSS high-water mark by more than the logits part alone
+    (the estimate's only accuracy part before 2026-12-06: the KL's float64 chunk temporaries were missing, and
+    SmolLM2's default run peaked ~30% above its estimate) and by no more than the estimate's accuracy parts."""
+    import gc
+    import types
+
+    import psutil
+
+    from harness.config import AccuracyConfig
+    from harness.measure import memory, peak_memory_mb, reset_peak_memory
+
+    vocab, window = 49152, 512
+
+    class Logits(torch.nn.Module):
+        def forward(self, input_ids):
+            return types.SimpleNamespace(logits=torch.randn(1, input_ids.shape[1], vocab))
+
+    cfg = AccuracyConfig(context_length=window, stride=window, kl_reference="topk", max_tokens=0)
+    ids = torch.randint(0, vocab, (4 * window,), generator=torch.Generator().manual_seed(0)).tolist()
+    n = acc._n_scored(len(ids), cfg)
+    top = torch.log_softmax(torch.randn(n, vocab), -1).topk(cfg.kl_top_k, -1)
+    reference = {"top_lp": top.values, "top_idx": top.indices, "argmax": top.indices[:, 0], "meta": {"mode": "topk"}}
+    del top
+    gc.collect()
+    if not reset_peak_memory("cpu"):
+        pytest.fail("/proc/self/clear_refs is not writable: the high-water mark cannot be reset on this kernel")
+    before = psutil.Process().memory_info().rss / 2**20
+    out = acc.score(Logits(), ids, cfg, "cpu", reference=reference)
+    held = peak_memory_mb("cpu") - before
+    assert out["scored_tokens"] == n and out["kl_div_mean"] > 0
+    parts = {k: v / 2**20 for k, v in memory.accuracy_parts(cfg, vocab, hidden=576).items()}
+    assert parts["accuracy logits"] < held <= parts["accuracy logits"] + parts["accuracy KL"], (held, parts)

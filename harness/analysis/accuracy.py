@@ -48,7 +48,7 @@ from harness.analysis.corpus import BUILTIN_CORPUS  # noqa: F401 - re-exported
 from harness.analysis.corpus import load as load_corpus
 from harness.analysis.output_layer import load_head, locate_head, ref_logits, within_rounding
 from harness.cache import build_lock, cache_root
-from harness.config import TASK_FIELDS, AccuracyConfig
+from harness.config import KL_CHUNK_ROWS, TASK_FIELDS, AccuracyConfig
 from harness.errors import QuantbenchError
 from harness.measure import model_grad_mode
 from harness.models import load_pretrained, torch_dtype
@@ -60,7 +60,7 @@ log = logging.getLogger("quantbench")
 # 1: top-k + tail bucket, no metadata (before issue 17). 2: exact or top-k, the mode in the metadata.
 # 3: as 2, but a 16-bit reference_dtype no longer lets a softcapped model pass as exact (output_layer.py)
 RECORD_FORMAT = "3"
-_ROWS = 128  # tokens per float64 chunk: 128 x 49152 x 8 B = 50 MB per temporary
+_ROWS = KL_CHUNK_ROWS  # tokens per float64 chunk
 
 
 def corpus_tokens(tokenizer: Any, spec: str, max_tokens: int) -> list[int]:

@@ -1,8 +1,9 @@
 """llama.cpp's `llama-server`, started and stopped by quantbench for one load run.
 
 The binary is built once by `scripts/setup.sh --all` from the vendored llama.cpp of the pinned llama-cpp-python
-0.3.36 sdist (the same ggml as `engine=llama_cpp`), cached per CPU like the wheel, and copied into the venv
-(`.venv/bin/llama-server`); `QUANTBENCH_LLAMA_SERVER` names another binary. It serves the GGUF of the format
+0.3.36 sdist, in the same build as `engine=llama_cpp`'s shared libraries (scripts/llama_cpp.sh: one wheel, cached
+per CPU); it runs from `llama_cpp/lib` beside them, linked as `.venv/bin/llama-server`; `QUANTBENCH_LLAMA_SERVER`
+names another binary. It serves the GGUF of the format
 under test with continuous batching (`--parallel N`) on a free loopback port; its log goes to the run's log.
 
 No server outlives its run: it stays in the run's process group (a sweep cell killed by its timeout takes the

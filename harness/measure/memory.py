@@ -18,7 +18,8 @@ estimate adds up, in bytes:
   quantizing transient when larger than the target's (the two loads follow each other);
 - activations and logits (batch x prompt x widths, batch x vocabulary);
 - a tied output head's own copy where one is made (rows8 tiles; quantizer.head=int8: int8 rows + bf16 scales);
-- the accuracy pass: its logits, and the float32 reference model, which is loaded and freed *before* the
+- the accuracy pass: its logits, the float64 temporaries of a KL chunk and the exact reference's output layer,
+  and the float32 reference model, which is loaded and freed *before* the
   run's model (so the peak is the larger of the two phases, not their sum);
 - a GGUF's first conversion to the float32 cache (harness/models/gguf_convert.py), another phase before the
   run's model: one tensor at a time, or the whole model where transformers' newer GGUF path loads it.
@@ -41,6 +42,7 @@ import psutil
 from harness import cgroup, gguf_meta
 from harness.analysis.roofline import shape_from_gguf
 from harness.cache import short_hash
+from harness.config import KL_CHUNK_ROWS
 from harness.errors import QuantbenchError, Unsupported
 from harness.measure import resolve_device
 from harness.measure.workloads import parse
@@ -227,6 +229,18 @@ def side_parts(exp: Any, positions: int) -> dict[str, float]:
     return {f"draft {k}": v for k, v in model_parts(counts, q, fb, bits, positions).items()}
 
 
+def accuracy_parts(acc: Any, vocab: int, hidden: int) -> dict[str, float]:
+    """What the accuracy pass holds beside the run's model: one window's logits, their float32 copy and log-probs;
+    with the KL, the float64 temporaries of one chunk of KL_CHUNK_ROWS tokens, five at once (the reference's and
+    the run's log-probs, exp, difference, product: accuracy._kl_full), and for the exact reference its output
+    layer in the reference dtype. SmolLM2's default run: the pass lifted RSS by 626 MB, the logits alone count 302."""
+    parts = {"accuracy logits": acc.context_length * vocab * 4.0 * 3}
+    if acc.kl:
+        parts["accuracy KL"] = 5.0 * min(KL_CHUNK_ROWS, acc.context_length) * vocab * 8 + (
+            vocab * hidden * DTYPE_BYTES.get(acc.reference_dtype, 4) if acc.kl_reference == "exact" else 0.0)
+    return parts
+
+
 def transformers_estimate(exp: Any, device: str) -> Estimate | None:
     counts = model_counts(exp.model)
     if counts is None:
@@ -249,7 +263,7 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
     phases = {}
     acc = exp.accuracy
     if acc.enabled:
-        parts["accuracy logits"] = acc.context_length * counts.vocab * 4.0 * 3
+        parts.update(accuracy_parts(acc, counts.vocab, counts.hidden))
         if acc.kl:
             phases["reference"] = counts.params * DTYPE_BYTES.get(acc.reference_dtype, 4) + parts["accuracy logits"]
     if exp.measure.compile is True and exp.measure.compile_freezing and not device.startswith("cuda"):
