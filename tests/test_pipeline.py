@@ -127,3 +127,21 @@ def test_llama_cpp_loop_records_the_decode_wall_clock(compose, results_overrides
         assert pipe.greedy_tokens() == [s["tokens"] for s in whole.samples]
     finally:
         pipe.close()
+
+
+def test_the_heap_is_handed_back_after_the_kernel_profile_before_the_accuracy_pass(compose, results_overrides,
+                                                                                   monkeypatch):
+    """The profiler's freed event tables stayed in glibc's heap (~150 MB on SmolLM2's default run) under the
+    accuracy pass that follows, which then peaked that much higher: a trim comes between the two."""
+    from harness import measure
+    pipeline = pl
+
+    events: list[str] = []
+    trim, report, accuracy = measure.trim_heap, pipeline.floor.floor_report, Pipeline.accuracy
+    monkeypatch.setattr(measure, "trim_heap", lambda: (events.append("trim"), trim())[1])
+    monkeypatch.setattr(pipeline.floor, "floor_report", lambda *a: (events.append("profile"), report(*a))[1])
+    monkeypatch.setattr(Pipeline, "accuracy", lambda self: (events.append("accuracy"), accuracy(self))[1])
+    res = runner.run(compose([*FAST, *results_overrides, "tracking.enabled=false"]))
+    assert res.status == "OK", res.error
+    after_profile = events[events.index("profile"):]
+    assert "trim" in after_profile[:after_profile.index("accuracy")], events
