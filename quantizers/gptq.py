@@ -43,6 +43,8 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -246,11 +248,15 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         key = short_hash(source.identity(), settings, calib_digest, self.versions(), self.load_dtype(source.dtype))
         return cache_root() / "quantized" / f"{source.name}-{self.name}-g{self.group_size}-{key}"
 
-    def _quantize_config(self):
+    def _quantize_config(self, offload: Path):
         from gptqmodel import QuantizeConfig
 
+        # gptqmodel offloads each finished module to disk while it quantizes (offload_to_disk, on by default) into a
+        # TemporaryDirectory of its own in /tmp, removed only by a finalizer at interpreter exit: a sweep cell (a
+        # multiprocessing child, which leaves through os._exit) or a killed run left every quantized module there
+        # (a whole 8B model's worth), and /tmp may be RAM. The offload goes beside the cache build, removed after.
         kw: dict[str, Any] = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym,
-                              "desc_act": self.desc_act}
+                              "desc_act": self.desc_act, "offload_to_disk_path": str(offload)}
         if self.method == "rtn":
             kw["weight_only"] = {"method": "rtn"}
         elif self.method == "awq":
@@ -277,10 +283,14 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
             nonlocal spent
             t0 = now()
             where = id_model_dir(source, tokenizer) if isinstance(tokenizer, IdTokenizer) else source.local_dir()
-            model = GPTQModel.load(str(where), self._quantize_config(), device="cpu"
-                                   if not device.startswith("cuda") else device, dtype=dtype)
-            model.quantize(samples, batch_size=1)  # rtn: samples is None (weight-only lifecycle)
-            model.save(str(tmp))
+            offload = Path(tempfile.mkdtemp(prefix=tmp.name + ".offload", dir=tmp.parent))
+            try:
+                model = GPTQModel.load(str(where), self._quantize_config(offload), device="cpu"
+                                       if not device.startswith("cuda") else device, dtype=dtype)
+                model.quantize(samples, batch_size=1)  # rtn: samples is None (weight-only lifecycle)
+                model.save(str(tmp))
+            finally:
+                shutil.rmtree(offload, ignore_errors=True)
             spent = now() - t0
             (tmp / "quantbench.json").write_text(json.dumps({"quantize_s": spent}))
             del model

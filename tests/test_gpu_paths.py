@@ -209,8 +209,14 @@ def test_accuracy_on_random_weights_is_still_refused(compose):
 
 @pytest.mark.slow
 def test_gptq_quantizes_a_random_shape_on_synthetic_ids(tmp_path, monkeypatch):
-    """gptqmodel loads the random weights through id_model_dir (its loader wants a tokenizer file). ~6 s here."""
+    """gptqmodel loads the random weights through id_model_dir (its loader wants a tokenizer file). ~6 s here.
+    Its offload of finished modules goes beside the cache build and is removed with it: never gptqmodel's own
+    /tmp folder, which only an interpreter-exit finalizer removed (a sweep cell leaves through os._exit)."""
+    import gptqmodel.quantization.config as gconfig
+
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(gconfig, "_create_temp_offload_dir",
+                        lambda: pytest.fail("gptqmodel made its own offload folder in /tmp"))
     source = RandomModel(arch="tiny")
     q = GPTQModelQuantizer(group_size=32, calibration_samples=2, calibration_length=32, calibration_seed=3)
     q.preflight("cpu")
@@ -221,6 +227,7 @@ def test_gptq_quantizes_a_random_shape_on_synthetic_ids(tmp_path, monkeypatch):
     with torch.no_grad():
         assert model(input_ids=torch.tensor([[1, 5, 7]])).logits.shape == (1, 3, 512)
     assert os.environ["GPTQMODEL_CPU_WORKERS"] == str(q.workers)
+    assert not list(tmp_path.rglob("*.offload*"))  # the offload folder went with the build
 
 
 def test_quantizer_flags_are_in_force_while_fast_path_compiles(monkeypatch):
