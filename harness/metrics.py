@@ -131,6 +131,7 @@ _TABLE: list[Metric] = [
     Metric("draft_load_s", "s", _L, "decode", "speculative: loading the draft model"),
     Metric("draft_bits_per_weight", "bits", _N, "decode", "speculative: stored bits per weight of the draft model"),
     Metric("draft_weight_bytes", "bytes", _L, "decode", "speculative: stored bytes of the draft model"),
+    Metric("draft_gemv_layers", "count", _N, "decode", "speculative under measure.gemv=rows8: draft layers whose one-row forward runs the rows8 kernel, as the target's do"),
     # ---- profile (harness/measure/kernels.py, cuda_kernels.py), one row (one_row.py) and the floor row (floor.py)
     Metric("kernel_linear_share", "ratio", _N, "profile", "the body layers' main linear op's share of step time"),
     Metric("kernel_linear_ms_per_step", "ms", _L, "profile", "that op's self time per decode step"),

@@ -47,6 +47,8 @@ from harness import gguf_meta
 from harness.analysis.roofline import StepWork, shape_from_torch
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.measure import Generation, grad_mode, model_grad_mode, near_tie, now, percentile, resolve_device, sync
+from quantizers import rows8
+from quantizers.base import audit_model
 from quantizers.dtype import Dtype
 from strategies.base import DecodeOptions, Strategy
 from strategies.decode import greedy_generate
@@ -252,6 +254,11 @@ class Speculative(Strategy):
         audit = quantizer.audit(draft)
         self._draft_metrics = {"draft_load_s": now() - t0, "draft_bits_per_weight": audit["bits_per_weight"],
                                "draft_weight_bytes": audit["weight_bytes"]}
+        if getattr(getattr(experiment, "decode_choice", None), "gemv", "") == "rows8":
+            # the draft's one-token forwards take the target's one-row kernel (quantizers/rows8.py), as the target's
+            # steps do: on ATen's the speedup would charge speculative decoding with a kernel gap, not its own cost
+            self._draft_metrics["draft_gemv_layers"] = float(rows8.install(draft))
+            self._draft_metrics["draft_weight_bytes"] = audit_model(draft)["weight_bytes"]  # + a tied head's tiles
         self._draft_shape = shape_from_torch(draft)  # kept past teardown: the roofline is computed after it
         self._drafter = ModelDrafter(draft, opts.device, opts.gemv_aten)
 

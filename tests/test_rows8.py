@@ -297,3 +297,24 @@ def test_a_run_records_the_model_rows8_left(quantizer, tmp_path):
     row = emb.shape[1] * emb.element_size()
     assert shape.weights_read(1) == held - emb.numel() * emb.element_size() + row
     assert shape.weight_bytes == metrics["weight_bytes"]
+
+
+def test_a_speculative_draft_takes_the_same_one_row_kernel_as_its_target(results_overrides):
+    """Under measure.gemv=rows8 the draft model's layers go to rows8 too (a draft left on ATen's GEMV would charge
+    speculative decoding with a kernel gap); its bytes are counted after the swap (the tied head's tiled copy), and
+    the output still equals plain greedy."""
+    overrides = ["model=tiny_random", "quantizer=bf16", "strategy=speculative",
+                 "quantizer@strategy.draft_quantizer=bf16", "measure.max_new_tokens=6", "measure.repetitions=1",
+                 "measure.warmup=0", "accuracy.enabled=false", *results_overrides]
+    exp = build(compose([*overrides, "measure.gemv=rows8"]))
+    if not HERE:
+        return _refused_here()
+    result = runner.execute(exp)
+    assert result.status == "OK", result.error
+    m, t = result.metrics, result.tags
+    assert t["kernel.gemv"] == "rows8" and m["greedy_match"] == 1.0
+    assert m["draft_gemv_layers"] == int(t["kernel.gemv_layers"]) > 0  # same arch and format: every layer the target's
+    assert m["draft_weight_bytes"] == m["weight_bytes"]  # counted after the swap, as the target's
+    aten = runner.execute(build(compose([*overrides, "measure.gemv=aten"])))
+    assert aten.status == "OK", aten.error
+    assert "draft_gemv_layers" not in aten.metrics and aten.metrics["draft_weight_bytes"] == aten.metrics["weight_bytes"]
