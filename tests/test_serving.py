@@ -434,6 +434,7 @@ def test_a_bad_load_value_is_refused_in_one_line_before_anything_starts(override
     ("strategy=continuous_batch", "strategy ContinuousBatch does nothing there"),
     ("measure.compile=true", "measure.compile=true would not apply"),
     ("measure.path=compiled", "measure.path=compiled would not apply"),
+    ("measure.gemv=aten", "measure.gemv=aten would not apply"),
     ("measure.repetitions=10", "does not read measure.repetitions=10: load.requests governs a load run"),
     ("measure.context_depth=64", "does not read measure.context_depth=64"),
     ("load.url=http://127.0.0.1:9 quantizer=int4", "load.url measures the server already running there, on its own "

@@ -117,7 +117,9 @@ NOT_READ = {"repetitions": "load.requests", "warmup": "load.warmup_requests",
             "context_depth": "load.lengths (no depth context is sent)",
             "stop_at_eos": "load.lengths (outputs keep their drawn lengths)"}
 # decode settings a load target does not take: it decodes as it does (in process: eager, paged KV cache)
-NOT_TAKEN = {"compile": ("auto", False), "cache": ("auto", "dynamic"), "path": ("best", "eager"), **COMPILE_ONLY}
+# (measure.gemv=aten turns oneDNN off around batch-1 steps of quantbench's own loop, which a load target never runs)
+NOT_TAKEN = {"compile": ("auto", False), "cache": ("auto", "dynamic"), "path": ("best", "eager"),
+             "gemv": ("auto", "onednn", "rows8"), **COMPILE_ONLY}
 
 
 def conflicts(load: LoadConfig | None, parts: dict, measure: Any) -> list[str]:
