@@ -6,27 +6,33 @@ the op of torchao's `preshuffled` int4 layout, under a misspelled name (`bf116i4
 gemm_ops.cpp; the string is in the wheel's mslk.so), and its Python files register no fake for it. Dynamo then
 breaks the graph at every such linear instead of failing: a compiled 8B step becomes hundreds of graph pieces with
 eager code between them, launch-bound, and would read as "preshuffled is slow". `register_missing_fakes` gives each
-listed op the shape rule of mslk's own `bf16i4bf16_rowwise_meta`, and only where no Meta kernel exists, so a fixed
-mslk keeps its own. Tag `quantizer.fake_ops` says what was registered.
+listed op the shape of what mslk's CUDA kernel returns ([M, N]: `int4_linear_fake`), and only where no Meta kernel
+exists, so a fixed mslk keeps its own. Tag `quantizer.fake_ops` says what was registered.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # torchao 0.18's int4 linears on CUDA: preshuffled (Int4PreshuffledTensor) and plain (Int4Tensor); both take
-# (X bf16 [..., K], W int4 packed [N, K/2], group scale, group zero) and return bf16 [..., N]
+# (X bf16 [..., K], W int4 packed [N, K/2], group scale, group zero) and return bf16 [M, N], M = the product of X's
+# leading dims: always 2-D (mslk csrc/gemm/cutlass/bf16i4bf16.cu, bf16i4bf16_dispatch: `at::empty({M, N})`). torchao
+# reshapes the result to [..., N] itself; its preshuffled linear passes the decode step's 3-D [B, 1, K] unreshaped
 MSLK_INT4_LINEAR_OPS = ("bf16i4bf16_shuffled", "bf16i4bf16_rowwise")
 REGISTERED: list[str] = []  # qualified names this process gave a fake (a second load finds them registered)
 
 
 def int4_linear_fake(x: Any, w: Any, scale: Any, zero: Any) -> Any:
-    """mslk's bf16i4bf16_rowwise_meta: X of 2 or 3 dims times W [N, K/2] gives X's leading dims + [N], in bf16."""
+    """What mslk's CUDA kernel returns: X of 2 or 3 dims times W [N, K/2] gives [M, N] in bf16, M = the product of
+    X's leading dims, 2-D even for a 3-D X. Not X's leading dims + [N] (mslk's own `bf16i4bf16_rowwise_meta` of a 3-D
+    X): inductor checks a compiled call's output against the fake's shape, and a 3-D fake for the kernel's 2-D
+    output fails the first compiled int4 step ("wrong number of dimensions"), sending the cell to eager."""
     import torch
 
     if x.dim() not in (2, 3) or w.dim() != 2:
         raise RuntimeError(f"The dim of XQ must be 2 or 3, and dim of WQ must be 2 (got {x.dim()} and {w.dim()})")
-    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.bfloat16)
+    return x.new_empty((math.prod(x.shape[:-1]), w.shape[0]), dtype=torch.bfloat16)
 
 
 def register_missing_fakes(namespace: str = "mslk", ops: tuple[str, ...] = MSLK_INT4_LINEAR_OPS) -> list[str]:

@@ -16,15 +16,21 @@ from quantizers.torchao import BF16OnCPU, TorchAoInt4
 SCHEMA = "(Tensor X, Tensor W, Tensor w_scale_group, Tensor w_zero_group) -> Tensor"
 
 
+def like_mslk(x, w, s, z):
+    """A CPU stand-in for mslk's int4 linear (dequantize-free: X @ W.T in bf16), with the CUDA kernel's output shape:
+    [M, N], M = the product of X's leading dims, 2-D even for a 3-D X (mslk csrc/gemm/cutlass/bf16i4bf16.cu)."""
+    return (x.reshape(-1, x.shape[-1]).float() @ w.float().t()).to(torch.bfloat16)
+
+
 def define(namespace: str, with_meta: tuple[str, ...] = ()) -> torch.library.Library:
-    """The two mslk int4 linears in `namespace`: a CPU kernel each (dequantize-free stand-in: X @ W.T in bf16), a
-    Meta kernel only for the ops in `with_meta`. The returned Library must stay referenced (it owns the ops)."""
+    """The two mslk int4 linears in `namespace`: a CPU kernel each (`like_mslk`), a Meta kernel only for the ops in
+    `with_meta`. The returned Library must stay referenced (it owns the ops)."""
     lib = torch.library.Library(namespace, "DEF")
     for op in fake_ops.MSLK_INT4_LINEAR_OPS:
         lib.define(op + SCHEMA)
-        lib.impl(op, lambda x, w, s, z: (x.float() @ w.float().t()).to(torch.bfloat16), "CPU")
+        lib.impl(op, like_mslk, "CPU")
         if op in with_meta:
-            lib.impl(op, lambda x, w, s, z: x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.bfloat16), "Meta")
+            lib.impl(op, lambda x, w, s, z: x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16), "Meta")
     return lib
 
 
@@ -64,10 +70,32 @@ def test_a_library_with_its_own_shape_rule_keeps_it():
 def test_the_fake_follows_mslks_shape_rule():
     x2, x3, w = (torch.empty(s, device="meta", dtype=torch.bfloat16) for s in ((5, 64), (2, 5, 64), (96, 32)))
     assert fake_ops.int4_linear_fake(x2, w, None, None).shape == (5, 96)
-    assert fake_ops.int4_linear_fake(x3, w, None, None).shape == (2, 5, 96)
+    assert fake_ops.int4_linear_fake(x3, w, None, None).shape == (10, 96)  # 2-D, as the CUDA kernel returns
     assert fake_ops.int4_linear_fake(x3, w, None, None).dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="dim of XQ must be 2 or 3"):
         fake_ops.int4_linear_fake(torch.empty(64, device="meta"), w, None, None)
+
+
+def test_inductor_compiles_a_3d_decode_input_through_the_fake():
+    """torchao 0.18's preshuffled linear passes the decode step's [1, 1, K] input to mslk unreshaped and reshapes the
+    [M, N] result itself. Inductor (not dynamo alone) checks the kernel's output against the fake's shape: a fake
+    that gave [1, 1, N] failed the first compiled call ("wrong number of dimensions"), so the cell ran eager."""
+    import torch._inductor.config as inductor
+
+    lib = define("qbtest_fake_inductor")  # noqa: F841 - a namespace of its own: no other test's fake on it
+    assert fake_ops.register_missing_fakes("qbtest_fake_inductor") == list(fake_ops.MSLK_INT4_LINEAR_OPS)
+    op = torch.ops.qbtest_fake_inductor.bf16i4bf16_shuffled
+    torch.manual_seed(0)
+    w, s = torch.randn(24, 16, dtype=torch.bfloat16), torch.ones(1)
+
+    def preshuffled_linear(x):  # int4_preshuffled_tensor.py's linear, minus the tensor subclass
+        return op(x, w, s, s).reshape(*x.shape[:-1], w.shape[0]) + 1
+
+    x = torch.randn(1, 1, 16, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with inductor.patch(force_disable_caches=True):  # a cached graph from another fake would hide the check
+        got = torch.compile(preshuffled_linear, backend="inductor", fullgraph=True)(x)
+    assert got.shape == (1, 1, 24) and torch.equal(got, preshuffled_linear(x))
 
 
 def test_an_mslk_int4_load_registers_the_fakes_and_tags_it(monkeypatch):
