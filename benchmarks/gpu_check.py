@@ -67,6 +67,9 @@ class Cell:
     # a hedge: runs only when this earlier cell did not end OK on its compiled path (it failed, or it fell back to
     # eager), so one device call still yields that format's number on another kernel
     unless_ok: str = ""
+    # starts with this many seconds left even when that is under its estimate (0: it needs its estimate): the cells
+    # issue #29's done-when reads, which nothing later in the list outranks; its timeout is then the time left
+    try_s: int = 0
 
 
 CELLS = (
@@ -105,6 +108,10 @@ SHAPES = {"8b": "llama-3.1-8b", "3b": "llama-3.2-3b", "1b": "llama-3.2-1b"}
 SUITE_FORMATS = ("fp16", "int8", "int4", "gptq_int4", "awq_int4", "bnb_nf4", "bnb_int8")
 PART_BUDGET_S = 540  # one device call: --budget-s 540 (+ the bundle's install) stays inside its 10 minutes
 PACK_S = 480  # a part's estimated seconds: 60 s of the budget left for the estimates' error
+# part 1 (the done-when cells) in the next GPU session's first call, which leaves room for one warm rerun: 15 minutes
+# of device time = a start (150 s reserved) + that call (timeout_s 540: --budget-s 420 of installs and cells, the
+# report, the probe in what is left) + the 30 s warm window + a rerun (timeout_s 170); docs/gpu.md
+PART1_BUDGET_S = 420
 # ESTIMATED seconds per cell on one H200, not measurements (only the 8B fp16 compiled cell was timed there:
 # 70-100 s, compile 32-68 s, docs/gpu.md). A cell = process start + random weights built on the GPU + quantize
 # + torch.compile reduce-overhead + the timed run (warmup, 2 passes, the eager check, kernel profile, floor).
@@ -112,6 +119,10 @@ EST_START_S = 15
 EST_BUILD_S = {"1b": 5, "3b": 8, "8b": 15}
 EST_COMPILE_S = {"1b": 30, "3b": 45, "8b": 60}  # formats that cannot be captured fall back to eager (less)
 EST_RUN_S = {1: 10, 4: 12, 16: 15, 64: 25}
+# torchao int8's floor row compiles a second time (harness/measure/floor.py: its eager call dequantizes the whole
+# weight, so the floor pass is compiled with the step's inductor flags): every linear of the model in one more graph
+EST_FLOOR_COMPILE_S = {"int8": {"1b": 20, "3b": 30, "8b": 45}}
+TRY_S = 60  # a done-when cell starts with at least this left (under 60 s even the 8B fp16 cell cannot finish)
 EST_QUANT_S = {  # per shape 1b / 3b / 8b
     "fp16": (0, 0, 0),
     "int8": (8, 15, 30), "int4": (8, 15, 30),  # torchao, layer by layer on the GPU
@@ -124,7 +135,8 @@ EST_QUANT_S = {  # per shape 1b / 3b / 8b
 
 def estimate_s(short: str, fmt: str, batch: int) -> int:
     q = EST_QUANT_S[fmt][("1b", "3b", "8b").index(short)]
-    return EST_START_S + EST_BUILD_S[short] + q + EST_COMPILE_S[short] + EST_RUN_S[batch]
+    floor = EST_FLOOR_COMPILE_S.get(fmt, {}).get(short, 0)
+    return EST_START_S + EST_BUILD_S[short] + q + EST_COMPILE_S[short] + floor + EST_RUN_S[batch]
 
 
 def suite_name(short: str, fmt: str, batch: int) -> str:
@@ -133,21 +145,29 @@ def suite_name(short: str, fmt: str, batch: int) -> str:
 
 def suite_order() -> list[list[tuple[str, str, int]]]:
     """Units of (shape, format, batch), most important first, each unit kept in one part: the 8B batch-1 cells
-    issue #29's done-when reads, the batch axis one batch size at a time (fp16, int8 and int4 together, so a part
-    gives ratios) from its ends inwards, the rest of the 8B formats, then 3B and 1B."""
-    first = [[("8b", f, 1)] for f in ("fp16", "int8", "int4", "gptq_int4")]
+    issue #29's done-when reads (int4 before int8: int4's kernel is the one new to the GPU image, and its hedge
+    follows it), the batch axis one batch size at a time (fp16, int8 and int4 together, so a part gives ratios) from
+    its ends inwards, the rest of the 8B formats, then 3B and 1B."""
+    first = [[("8b", f, 1)] for f in ("fp16", "int4", "int8", "gptq_int4")]
     batch = [[("8b", f, b) for f in ("fp16", "int8", "int4")] for b in (64, 16, 4)]
     rest = [[("8b", f, 1)] for f in ("awq_int4", "bnb_nf4", "bnb_int8")]
     return first + batch + rest + [[(s, f, 1)] for s in ("3b", "1b") for f in SUITE_FORMATS]
 
 
+DONE_WHEN_CELLS = ("8b-fp16", "8b-int4", "8b-int4-tinygemm", "8b-int8")  # the batch-1 8B rows issue #29 reads
+
+
 def suite_cells() -> tuple[Cell, ...]:
-    """Every cell, its unit packed first-fit in suite_order() into parts of at most PACK_S estimated seconds."""
-    loads: list[int] = []
+    """Every cell, its unit packed first-fit in suite_order() into parts of at most PACK_S estimated seconds; part 1
+    holds the done-when cells alone (its call leaves room for a rerun and the probe: docs/gpu.md)."""
+    loads: list[int] = [0]
     cells = []
     for unit in suite_order():
         ests = [estimate_s(*key) for key in unit]
-        part = next((i for i, used in enumerate(loads) if used + sum(ests) <= PACK_S), len(loads))
+        if all(suite_name(*key) in DONE_WHEN_CELLS for key in unit):
+            part = 0
+        else:
+            part = next((i for i, used in enumerate(loads) if i and used + sum(ests) <= PACK_S), len(loads))
         if part == len(loads):
             loads.append(0)
         loads[part] += sum(ests)
@@ -160,14 +180,15 @@ def suite_cells() -> tuple[Cell, ...]:
                               what=f"{SHAPES[short]} shape, {fmt}, batch {batch}, compiled (est. {est} s)"))
     cells = sorted(cells, key=lambda c: c.part)  # stable: within a part, suite_order()
     # int4 on sm_90 resolves to mslk's preshuffled kernel, new to the GPU image; should it fail to quantize or to
-    # compile, the same call measures torchao's tinygemm int4 (the kernel the 2026-12-04 run measured) instead
+    # compile, or fall back to eager, the same call measures torchao's tinygemm int4 (the kernel the 2026-12-04 run
+    # measured) next, before 8b-int8: a compiled int4 number is worth as much to the done-when as int8's
     at = next(i for i, c in enumerate(cells) if c.name == "8b-int4") + 1
     est = estimate_s("8b", "int4", 1)
     cells.insert(at, Cell("8b-int4-tinygemm", (*cells[at - 1].overrides, "quantizer=torchao_int4",
                                                "quantizer.kernel=tinygemm", "quantizer.group_size=64"),
                           timeout_s=cells[at - 1].timeout_s, part=cells[at - 1].part, estimate_s=est, unless_ok="8b-int4",
                           what=f"only if 8b-int4 did not run compiled: torchao int4 tinygemm g64 instead (est. {est} s)"))
-    return tuple(cells)
+    return tuple(replace(c, try_s=TRY_S) if c.name in DONE_WHEN_CELLS else c for c in cells)
 
 
 SUITE_CELLS = suite_cells()
@@ -307,9 +328,12 @@ def run_cells(cells: list[Cell], out: Path, budget_s: float,
               clock: Callable[[], float] = time.monotonic) -> list[Row]:
     """Run each cell; none starts after `budget_s` and none runs past it. `elapsed_s`: what the budget already
     spent before the first cell (gpu_check.sh's installs: the clock starts with the device call). A cell starts
-    only with at least 60 s and its own estimate left: one cut off mid-compile measures nothing and spends the
-    time another cell could use. `on_row(rows)` after every row (gpu_check writes the table as it goes)."""
+    only with at least 60 s and its own estimate left (a done-when cell: its `try_s`, its timeout the time left):
+    one cut off mid-compile measures nothing and spends the time another cell could use. The cells are in priority
+    order: once one is SKIPPED for time, every later one is too, so a cheaper, later cell never runs in the place of
+    a skipped one. `on_row(rows)` after every row (gpu_check writes the table as it goes)."""
     rows: list[Row] = []
+    out_of_time = ""  # the first cell skipped for time
 
     def add(row: Row) -> None:
         rows.append(row)
@@ -324,10 +348,15 @@ def run_cells(cells: list[Cell], out: Path, budget_s: float,
             add(Row(cell=cell.name, status="SKIPPED", error=f"not needed: {cell.unless_ok} ran compiled, in whole "
                                                             "graphs"))
             continue
-        if left < max(60, cell.estimate_s):
+        if out_of_time:
+            add(Row(cell=cell.name, status="SKIPPED", error=f"after {out_of_time} was skipped for time (cells run in "
+                                                            "priority order)"))
+            continue
+        if left < max(60, cell.try_s or cell.estimate_s):
             why = f"time budget of {budget_s:.0f} s spent" if left < 60 else \
                 f"{left:.0f} s of the {budget_s:.0f} s budget left, under its estimate of {cell.estimate_s} s"
             add(Row(cell=cell.name, status="SKIPPED", error=why))
+            out_of_time = cell.name
             continue
         cell = replace(cell, timeout_s=int(min(cell.timeout_s, left)))
         print(f"[gpu_check] {cell.name}: {cell.what}", flush=True)

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -213,25 +214,99 @@ def test_bundle_helpers_prune_a_wheel_and_split_a_file(tmp_path):
     assert b"".join(p.read_bytes() for p in parts) == blob
 
 
+PART1 = [c for c in gpu_check.SUITE_CELLS if c.part == 1]
+_COMPILED = {"status": "OK", "metrics": {"decode_tokens_per_s": 150.0},
+             "tags": {"kernel.linear": "k", "fast_path": "compiled", "compile.graph_breaks": "0"}}
+_FELL_BACK = {"status": "OK", "metrics": {"decode_tokens_per_s": 40.0},
+              "tags": {"kernel.linear": "k", "fast_path": "eager-fallback", "fast_path.error": "wrong number of dims"}}
+
+
+def _on_a_fake_clock(cells, budget_s, elapsed_s, took, results=None):
+    """run_cells with each cell taking `took[name]` seconds (default its estimate) on a fake clock, killed at its
+    timeout; (names run, rows, seconds spent from the script's start)."""
+    ran, now = [], [0.0]
+
+    def runner(cell, out):
+        ran.append(cell.name)
+        needs = took.get(cell.name, cell.estimate_s)
+        now[0] += min(needs, cell.timeout_s)
+        return (0, "", (results or {}).get(cell.name, _COMPILED)) if needs <= cell.timeout_s else (None, "", None)
+
+    rows = gpu_check.run_cells(cells, Path("/nonexistent"), budget_s=budget_s, elapsed_s=elapsed_s, runner=runner,
+                               clock=lambda: now[0])
+    return ran, rows, elapsed_s + now[0]
+
+
 def test_the_budget_counts_from_the_scripts_start_and_skips_a_cell_it_cannot_finish(tmp_path):
     """`elapsed_s` (the installs before the first cell) is spent budget; a cell whose estimate no longer fits is
     SKIPPED with both numbers rather than killed mid-compile; the table is written after every row."""
-    part1 = [c for c in gpu_check.SUITE_CELLS if c.part == 1]
-    assert [c.name for c in part1][:3] == ["8b-fp16", "8b-int8", "8b-int4"]  # the done-when's cells first
-    ran, flushed, now = [], [], [0.0]
+    assert [c.name for c in PART1] == ["8b-fp16", "8b-int4", "8b-int4-tinygemm", "8b-int8"]  # the done-when's cells
+    by_name = {c.name: c for c in gpu_check.SUITE_CELLS}
+    plain = [by_name[n] for n in ("3b-fp16", "3b-int8", "1b-fp16")]  # the third is cheaper than the second
+    assert not any(c.try_s for c in plain) and plain[2].estimate_s < 70 < plain[1].estimate_s
+    flushed, now, ran = [], [0.0], []
 
     def runner(cell, out):  # each cell takes exactly its estimate on a fake clock
         ran.append(cell.name)
         now[0] += cell.estimate_s
         return 0, "", None
 
-    rows = gpu_check.run_cells(part1, tmp_path, budget_s=420, elapsed_s=420 - sum(c.estimate_s for c in part1[:3]) - 70,
+    budget = 300
+    rows = gpu_check.run_cells(plain, tmp_path, budget_s=budget, elapsed_s=budget - plain[0].estimate_s - 70,
                                runner=runner, on_row=lambda rs: flushed.append(len(rs)), clock=lambda: now[0])
-    assert ran == [c.name for c in part1[:3]] and flushed == list(range(1, len(part1) + 1))
-    skipped = rows[3]
-    assert skipped.status == "SKIPPED" and f"under its estimate of {part1[3].estimate_s} s" in skipped.error
-    assert gpu_check.run_cells(part1, tmp_path, budget_s=420, elapsed_s=400, runner=lambda c, o: 1 / 0)[0].error \
+    assert ran == [plain[0].name] and flushed == [1, 2, 3]
+    assert rows[1].status == "SKIPPED" and f"70 s of the {budget} s budget left, under its estimate of " \
+        f"{plain[1].estimate_s} s" == rows[1].error
+    # a later, cheaper cell does not run in the place of a skipped one: the list is in priority order
+    assert rows[2].status == "SKIPPED" and rows[2].error.startswith(f"after {plain[1].name} was skipped for time")
+    assert gpu_check.run_cells(PART1, tmp_path, budget_s=420, elapsed_s=400, runner=lambda c, o: 1 / 0)[0].error \
         == "time budget of 420 s spent"
+
+
+@pytest.mark.parametrize("install", [30, 60, 90])
+@pytest.mark.parametrize("slow", ["", "8b-fp16", "8b-int4", "8b-int8"])
+def test_part_1_runs_8b_int4_before_int8_and_never_a_later_cell_in_a_skipped_ones_place(install, slow):
+    """Whatever a cell takes (its estimate, or 1.6x it for one of them), under the documented budget: 8b-int4 runs
+    right after 8b-fp16 and is never SKIPPED while a later cell runs; a done-when cell starts with at least TRY_S left
+    even under its estimate, its timeout the time left; nothing runs past the budget."""
+    budget = gpu_check.PART1_BUDGET_S
+    took = {slow: 1.6 * next(c.estimate_s for c in PART1 if c.name == slow)} if slow else {}
+    cells = PART1 + [c for c in gpu_check.SUITE_CELLS if c.name == "3b-fp16"]  # a cheaper, later cell after them
+    ran, rows, spent = _on_a_fake_clock(cells, budget, install, took)
+    assert ran[:2] == ["8b-fp16", "8b-int4"] and spent <= budget
+    skipped = [i for i, r in enumerate(rows) if r.status == "SKIPPED" and not r.error.startswith("not needed")]
+    if skipped:
+        assert all(r.cell not in ran for r in rows[skipped[0]:]), [(r.cell, r.status, r.error) for r in rows]
+    assert rows[1].status != "SKIPPED"  # 8b-int4 gets its try even after a slow 8b-fp16
+
+
+def test_a_done_when_cell_starts_under_its_estimate_with_the_time_left_as_its_timeout():
+    seen = {}
+
+    def runner(cell, out):
+        seen[cell.name] = cell.timeout_s
+        return 0, "", _COMPILED
+
+    int8 = next(c for c in PART1 if c.name == "8b-int8")
+    gpu_check.run_cells([int8], Path("/nonexistent"), budget_s=500, elapsed_s=500 - 100, runner=runner,
+                        clock=lambda: 0.0)
+    assert int8.estimate_s > 100 and seen == {"8b-int8": 100}  # 100 s left: started, killed at the budget if need be
+    seen.clear()
+    rows = gpu_check.run_cells([int8], Path("/nonexistent"), budget_s=500, elapsed_s=500 - gpu_check.TRY_S + 1,
+                               runner=runner, clock=lambda: 0.0)
+    assert not seen and rows[0].status == "SKIPPED"
+
+
+def test_the_hedge_runs_next_when_8b_int4_falls_back_before_int8():
+    """8b-int4 ran, but on its eager fallback (e.g. a kernel inductor could not compile): the tinygemm hedge runs right
+    after it, before 8b-int8, within the documented budget and an install of a minute."""
+    ran, rows, _ = _on_a_fake_clock(PART1, gpu_check.PART1_BUDGET_S, 60, {}, {"8b-int4": _FELL_BACK})
+    assert ran[:3] == ["8b-fp16", "8b-int4", "8b-int4-tinygemm"]
+    assert rows[2].status == "OK"
+    ran, rows, _ = _on_a_fake_clock(PART1, gpu_check.PART1_BUDGET_S, 60, {})  # compiled: no hedge, int8 runs
+    assert ran == ["8b-fp16", "8b-int4", "8b-int8"] and rows[2].error.startswith("not needed")
+    assert gpu_check.estimate_s("8b", "int8", 1) == gpu_check.estimate_s("8b", "int4", 1) + \
+        gpu_check.EST_FLOOR_COMPILE_S["int8"]["8b"]  # int8's floor pass compiles a second time
 
 
 def test_flat_output_is_few_shallow_files_with_the_cells_packed(tmp_path):
