@@ -35,6 +35,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 import zipfile
 from collections.abc import Callable
@@ -498,8 +499,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bundle", action="store_true",
                     help=f"write {BUNDLE.relative_to(ROOT)}/: wheels and the model for a machine without a registry")
     ap.add_argument("--with-mslk", action="store_true",
-                    help=f"with --bundle: also {MSLK_WHEEL} (torchao's int4 `preshuffled` kernels for sm_90+, "
-                         "quantizers/gpu_paths.py) in mslk/, a carry of its own (~42 MiB)")
+                    help=f"with --bundle --wheels-only: also {MSLK_WHEEL} (torchao's int4 `preshuffled` kernels for "
+                         f"sm_90+, quantizers/gpu_paths.py), its installed tree as wheels/{MSLK_ARCHIVE} (~11 MiB): "
+                         "still one carry")
+    ap.add_argument("--extract", metavar="ARCHIVE", default="",
+                    help="extract ARCHIVE (a .tar.xz of --with-mslk) into OUT and exit: gpu_check.sh's step on the GPU "
+                         "machine, which has no xz binary to rely on (Python's tarfile + lzma)")
     ap.add_argument("--wheels-only", action="store_true",
                     help="with --bundle: the wheels alone, no model (the random-shape suite needs none): one carry")
     args = ap.parse_args(argv)
@@ -512,8 +517,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         pool = tuple(c for c in SUITE_CELLS if not args.part or c.part == args.part)
     if args.wheels_only and not args.bundle:
         ap.error("--wheels-only goes with --bundle")
-    if args.with_mslk and not args.bundle:
-        ap.error("--with-mslk goes with --bundle")
+    if args.with_mslk and not args.wheels_only:
+        ap.error("--with-mslk goes with --bundle --wheels-only (beside the model's parts it would not fit a carry)")
     names = [n for n in args.only.split(",") if n]
     bad = [n for n in names if n not in {c.name for c in pool}]
     if bad:
@@ -538,9 +543,13 @@ BUNDLE_WHEELS = ["hydra-core==1.3.8", "omegaconf==2.3.1", "antlr4-python3-runtim
                  "multiprocess==0.70.19", "diskcache==5.6.3", "torchao==0.18.0",
                  "nvidia-ml-py==13.615.71"]  # NVML's energy counter (harness/measure/energy.py)
 BUNDLE_SDISTS = ["PyPcre==0.6.4"]
-# torchao 0.18's int4 packings `preshuffled`/`plain` need mslk (quantizers/torchao.py); its wheel (44.5 MB, built for
-# torch 2.11 + CUDA 13.0, the GPU image's) does not fit one carry beside the other wheels, so it is a carry of its own
+# torchao 0.18's int4 packings `preshuffled`/`plain` need mslk (quantizers/torchao.py); its wheel (42.4 MiB, built for
+# torch 2.11 + CUDA 13.0, the GPU image's) would not fit one carry beside the other wheels (26.4 MiB), but its
+# installed tree (244 MB, mostly CUDA kernels) compresses with xz -6 to ~11 MiB: it travels as that archive in
+# wheels/, and gpu_check.sh extracts it into the site folder (`--extract`), so the bundle is one carry
 MSLK_WHEEL = "mslk-cuda==1.1.0"
+MSLK_ARCHIVE = "mslk.tar.xz"
+CARRY_LIMIT = 64 * 2**20  # what one device call carries: the working tree and the carried paths together
 BNB_KEEP = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cuda132.so")  # torch cu13x
 MODEL_PART_BYTES = 64_000_000  # two carries: part 1 alone, then part 2 + wheels (each < 64 MiB with the ~2 MiB tree)
 
@@ -577,14 +586,81 @@ def _shown(path: Path) -> Path:
     return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
+def wheel_to_txz(wheel: Path, archive: Path, preset: int = 6) -> Path:
+    """The tree `pip install --target` would write from `wheel`, as an xz tar (a wheel is a zip of that tree; its
+    `.data/purelib|platlib/` members belong at the top, its scripts and headers are not needed). Written whole, then
+    renamed: a kill never leaves half an archive."""
+    tmp = archive.with_name(archive.name + ".tmp")
+    with zipfile.ZipFile(wheel) as zin, tarfile.open(tmp, "w:xz", preset=preset) as tar:
+        for info in zin.infolist():
+            name = info.filename
+            if info.is_dir():
+                continue
+            top, _, rest = name.partition("/")
+            if top.endswith(".data"):
+                kind, _, name = rest.partition("/")
+                if kind not in ("purelib", "platlib"):
+                    continue
+            member = tarfile.TarInfo(name)
+            member.size = info.file_size
+            member.mode = (info.external_attr >> 16) & 0o777 or 0o644
+            member.mtime = int(time.mktime(info.date_time + (0, 0, -1)))
+            with zin.open(info) as data:
+                tar.addfile(member, data)
+    return Path(shutil.move(str(tmp), archive))
+
+
+def extract_tree(archive: Path, dest: Path) -> list[str]:
+    """Extract an xz tar of `wheel_to_txz` into `dest` (the site folder) with the standard library alone; the
+    top-level names it wrote. Members that would land outside `dest` are refused (tarfile's `data` filter)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "r:xz") as tar:
+        names = tar.getnames()
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+        else:  # Python < 3.11.4: refuse what the filter would
+            if any(n.startswith("/") or ".." in Path(n).parts for n in names):
+                raise ValueError(f"{archive}: a member outside the folder")
+            tar.extractall(dest)  # noqa: S202 - checked just above
+    return sorted({n.split("/", 1)[0] for n in names})
+
+
 def bundle_mslk(dest: Path, platform: list[str]) -> Path:
-    """`dest/mslk/`: the mslk wheel alone (a carry of its own; gpu_check.sh installs it when it is there)."""
-    folder = dest / "mslk"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *platform, "-d", str(folder),
+    """`dest/wheels/mslk.tar.xz`: mslk's installed tree, from its wheel, in the wheels folder (one carry)."""
+    tmp = dest / "tmp-mslk"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(dest / "mslk", ignore_errors=True)  # an older bundle's separate carry
+    tmp.mkdir(parents=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *platform, "-d", str(tmp),
                     MSLK_WHEEL], check=True)
-    return folder
+    (wheel,) = tmp.glob("*.whl")
+    archive = wheel_to_txz(wheel, dest / "wheels" / MSLK_ARCHIVE)
+    shutil.rmtree(tmp)
+    return archive
+
+
+def tree_bytes(root: Path = ROOT) -> int:
+    """What a device call sends besides the carried paths: the tracked and the untracked, not ignored files."""
+    try:
+        proc = subprocess.Popen(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        names = proc.communicate(timeout=60)[0].decode(errors="replace").split("\0")
+    except (OSError, subprocess.SubprocessError):
+        return 3 * 2**20  # no git: about what the tree weighs (2026-12-07: 2.5 MiB)
+    return sum((root / n).stat().st_size for n in names if n and (root / n).is_file())
+
+
+def carry_check(folder: Path, tree: int) -> tuple[float, str]:
+    """(MiB, one line) of one call's load: `folder` carried plus the working tree, against CARRY_LIMIT."""
+    files = sorted(f for f in folder.rglob("*") if f.is_file())
+    carried = sum(f.stat().st_size for f in files)
+    archive = sum(f.stat().st_size for f in files if f.name == MSLK_ARCHIVE)
+    total = carried + tree
+    line = (f"{_shown(folder)} {(carried - archive) / 2**20:.1f} MiB"
+            + (f" + {MSLK_ARCHIVE} {archive / 2**20:.1f} MiB" if archive else "")
+            + f" + working tree {tree / 2**20:.1f} MiB = {total / 2**20:.1f} MiB of the {CARRY_LIMIT / 2**20:.0f} MiB "
+              "one device call carries")
+    return total / 2**20, line
 
 
 def make_bundle(dest: Path = BUNDLE, wheels_only: bool = False, with_mslk: bool = False) -> None:
@@ -617,13 +693,12 @@ def make_bundle(dest: Path = BUNDLE, wheels_only: bool = False, with_mslk: bool 
     shutil.rmtree(tmp)
     rel = _shown(dest)
     if with_mslk:
-        mslk = bundle_mslk(dest, platform)
-        mib = sum(f.stat().st_size for f in mslk.iterdir()) / 2**20
-        print(f"mslk in {rel}/mslk: {mib:.1f} MiB; carry it alone first (command: true), then, within the machine's "
-              "30 s warm window, the call below: gpu_check.sh installs it when it finds it")
+        bundle_mslk(dest, platform)
     if wheels_only:
-        mib = sum(f.stat().st_size for f in wheels.iterdir()) / 2**20
-        print(f"bundle in {rel}: wheels {mib:.1f} MiB, no model (--wheels-only)")
+        mib, line = carry_check(wheels, tree_bytes())
+        print(f"bundle in {rel}: no model (--wheels-only); {line}")
+        if mib * 2**20 > CARRY_LIMIT:
+            raise SystemExit(f"error: the bundle does not fit one device call: {line}")
         print(f"device call (one carry < 64 MiB), per part N of 1-{SUITE_PARTS}:")
         print(f"  carry [{rel}/wheels], command: bash benchmarks/gpu_check.sh $OUT --flat --suite {SUITE}:N "
               f"--budget-s {PART_BUDGET_S}")
@@ -645,6 +720,9 @@ def make_bundle(dest: Path = BUNDLE, wheels_only: bool = False, with_mslk: bool 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()  # the cells run in the repository root
+    if args.extract:  # gpu_check.sh, before any cell: the site folder is OUT
+        print(f"gpu_check: extracted {', '.join(extract_tree(Path(args.extract), out))} into {out}")
+        return 0
     if args.bundle:
         make_bundle(wheels_only=args.wheels_only, with_mslk=args.with_mslk)
         return 0

@@ -75,13 +75,14 @@ elif [ -d "$BUNDLE/wheels" ]; then
   fi
   PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target "$SITE")
   do_ "${PIP[@]}" "$BUNDLE"/wheels/*.whl
-  # mslk (torchao's int4 preshuffled/plain kernels), when a separate carry brought it (gpu_check.py --with-mslk)
+  # mslk (torchao's int4 preshuffled/plain kernels): its installed tree as an xz tar beside the wheels (gpu_check.py
+  # --bundle --wheels-only --with-mslk), extracted with Python's own tarfile + lzma (no xz binary needed)
   mslk=absent
-  for whl in "$BUNDLE"/mslk/*.whl; do
-    [ -e "$whl" ] || continue
+  if [ -f "$BUNDLE/wheels/mslk.tar.xz" ]; then
     mslk=installed
-    do_ "${PIP[@]}" "$whl" || { mslk="did not install"; echo "gpu_check: warning: $(basename "$whl") did not install"; }
-  done
+    do_ "$PY" "$ROOT/benchmarks/gpu_check.py" "$SITE" --extract "$BUNDLE/wheels/mslk.tar.xz" ||
+      { mslk="did not extract: removed"; rm -rf "$SITE"/mslk*; echo "gpu_check: warning: mslk.tar.xz did not extract"; }
+  fi
   # torchao imports mslk whenever it is importable: one that cannot load would take every torchao cell down
   # (int8 too), so a broken one is removed and int4 runs tinygemm
   if [ "$DRY" = 0 ] && [ "$mslk" = installed ] &&

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -344,29 +344,82 @@ def test_a_sweeps_report_has_the_section_and_the_figure(tmp_path, monkeypatch):
     assert drawn == ["sweep gpu_scaling"]
 
 
-def test_mslk_is_a_carry_of_its_own_and_installed_when_carried(tmp_path, monkeypatch, capsys):
-    calls = []
+def _wheel(path: Path, files: dict[str, bytes], mode: int = 0o644) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            info = zipfile.ZipInfo(name, date_time=(2026, 12, 7, 0, 0, 0))
+            info.external_attr = (0o755 if name.endswith(".so") else mode) << 16
+            z.writestr(info, data)
+    return path
 
-    def fake_run(cmd, **kw):
-        calls.append(cmd)
-        folder = Path(cmd[cmd.index("-d") + 1])
+
+MSLK_FILES = {"mslk/__init__.py": b"import os\n", "mslk/mslk.so": bytes(range(256)) * 64,
+              "mslk/gemm/__init__.py": b"", "mslk_cuda-1.1.0.dist-info/RECORD": b"mslk/__init__.py,,\n",
+              "mslk_cuda-1.1.0.data/platlib/mslk_extra.py": b"x = 1\n", "mslk_cuda-1.1.0.data/scripts/tool": b"#!/bin/sh\n"}
+
+
+def test_mslks_tree_round_trips_through_the_xz_archive(tmp_path):
+    """The wheel's installed tree as an xz tar, extracted with the standard library (the GPU machine's step, via the
+    command line gpu_check.sh uses): the same files, `.data/platlib` at the top, scripts left out, .so executable."""
+    wheel = _wheel(tmp_path / "mslk_cuda-1.1.0-cp312-cp312-manylinux_2_28_x86_64.whl", MSLK_FILES)
+    (tmp_path / "wheels").mkdir()
+    archive = gpu_check.wheel_to_txz(wheel, tmp_path / "wheels" / gpu_check.MSLK_ARCHIVE)
+    site = tmp_path / "site"
+    (site / "torchao").mkdir(parents=True)  # the wheels pip installed first stay
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(site), "--extract",
+                           str(archive)], env={**os.environ, **NO_GPU}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr  # no GPU needed for this step
+    assert "extracted mslk, mslk_cuda-1.1.0.dist-info, mslk_extra.py into" in done.stdout
+    got = {p.relative_to(site).as_posix(): p.read_bytes() for p in site.rglob("*") if p.is_file()}
+    want = {n: d for n, d in MSLK_FILES.items() if ".data/" not in n} | {"mslk_extra.py": b"x = 1\n"}
+    assert got == want and (site / "torchao").is_dir() and os.access(site / "mslk" / "mslk.so", os.X_OK)
+    assert not list((tmp_path / "wheels").glob("*.tmp"))
+
+
+def test_bundle_with_mslk_puts_its_archive_in_the_one_carry_and_counts_it(tmp_path, monkeypatch, capsys):
+    def fake_run(cmd, **kw):  # pip download/wheel: a small wheel (or the sdist) where pip would put it
+        folder = Path(cmd[cmd.index("-d") + 1] if "-d" in cmd else cmd[cmd.index("-w") + 1])
         name, version = cmd[-1].split("==")
-        with zipfile.ZipFile(folder / f"{name.replace('-', '_')}-{version}-cp312-cp312-manylinux_2_28_x86_64.whl",
-                             "w") as z:
-            z.writestr("RECORD", "")
+        if any(a.startswith("--no-binary") for a in cmd):
+            (folder / f"{name}-{version}.tar.gz").write_bytes(b"sdist")
+        elif name == "mslk-cuda":
+            _wheel(folder / f"mslk_cuda-{version}-cp312-cp312-manylinux_2_28_x86_64.whl", MSLK_FILES)
+        else:
+            _wheel(folder / f"{name}-{version}-py3-none-any.whl", {f"{name}-{version}.dist-info/RECORD": b""})
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(gpu_check.subprocess, "run", fake_run)
-    folder = gpu_check.bundle_mslk(tmp_path, ["--python-version", "3.12"])
-    assert [p.name for p in folder.iterdir()] == ["mslk_cuda-1.1.0-cp312-cp312-manylinux_2_28_x86_64.whl"]
-    assert calls[0][-1] == gpu_check.MSLK_WHEEL and "--no-deps" in calls[0]
-    monkeypatch.undo()
+    monkeypatch.setattr(gpu_check, "tree_bytes", lambda root=ROOT: 2_500_000)
+    dest = tmp_path / "bundle"
+    (dest / "mslk").mkdir(parents=True)  # an older bundle's separate mslk carry: gone
+    gpu_check.make_bundle(dest, wheels_only=True, with_mslk=True)
+    wheels = dest / "wheels"
+    assert (wheels / gpu_check.MSLK_ARCHIVE).is_file() and not (dest / "mslk").exists()
+    assert not (dest / "tmp-mslk").exists() and not list(wheels.glob("mslk*.whl"))
+    carried = sum(f.stat().st_size for f in wheels.iterdir())
+    text = capsys.readouterr().out
+    assert f"+ {gpu_check.MSLK_ARCHIVE} " in text and f"= {(carried + 2_500_000) / 2**20:.1f} MiB of the 64 MiB" in text
+    # the archive counts: a tree that leaves less room than it takes is refused (the wheels alone would fit)
+    archive = (wheels / gpu_check.MSLK_ARCHIVE).stat().st_size
+    monkeypatch.setattr(gpu_check, "tree_bytes", lambda root=ROOT: gpu_check.CARRY_LIMIT - carried + archive // 2)
+    with pytest.raises(SystemExit, match="does not fit one device call"):
+        gpu_check.make_bundle(dest, wheels_only=True, with_mslk=True)
+    with pytest.raises(SystemExit) as exc:  # beside the model's parts it would not fit: refused
+        gpu_check.parse_args(["--bundle", "--with-mslk"])
+    assert exc.value.code == 2
+
+
+def test_the_shell_script_extracts_mslk_from_the_wheels_folder(tmp_path):
     bundle = tmp_path / "bundle"
     (bundle / "wheels").mkdir(parents=True)
-    shutil.copytree(folder, bundle / "mslk")
+    (bundle / "wheels" / gpu_check.MSLK_ARCHIVE).write_bytes(b"xz")
     env = {**os.environ, **NO_GPU, "QB_GPU_BUNDLE": str(bundle), "QB_GPU_SITE": str(tmp_path / "site")}
     done = subprocess.run(["bash", str(SH), str(tmp_path / "out"), "--dry-run", "--suite", "gpu_scaling:1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert any(ln.startswith("+ ") and "pip install" in ln and ln.endswith("manylinux_2_28_x86_64.whl")
-               and "/mslk/" in ln for ln in done.stdout.splitlines())
+    lines = done.stdout.splitlines()
+    step = f"gpu_check.py {tmp_path / 'site'} --extract {bundle / 'wheels' / gpu_check.MSLK_ARCHIVE}"
+    assert any(ln.startswith("+ ") and ln.endswith(step) for ln in lines), done.stdout
+    pip = next(i for i, ln in enumerate(lines) if "pip install" in ln)
+    assert pip < next(i for i, ln in enumerate(lines) if "--extract" in ln)  # after the wheels: torchao is there
+    assert not any("pip install" in ln and "mslk" in ln for ln in lines)
