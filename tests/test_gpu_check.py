@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -354,3 +356,70 @@ def test_the_int4_hedge_runs_only_where_8b_int4_did_not_run_compiled(tmp_path, f
     assert rows[1].status == "OK" if hedge_runs else rows[1].error == "not needed: 8b-int4 ran compiled, in whole graphs"
     if first[2]["status"] == "OK":  # the table keeps the count that decided it
         assert rows[0].extra["compile.graph_breaks"] == first[2]["tags"]["compile.graph_breaks"]
+
+
+# ------------------------------------------------------------------------------ the next GPU session's device calls
+START_S, WINDOW_S, GIVE_BACK_S, DEVICE_S = 150, 30, 5, 900  # docs/gpu.md's table: a start, the warm window, 15 min
+CALL = re.compile(r"^call (\d): kind (\S+), carry \[(.*)\], timeout_s (\d+)\n(.+)$", re.M)
+
+
+def _documented_calls() -> list[tuple[int, str, list[str], int, str]]:
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    return [(int(n), kind, json.loads(f"[{carry}]"), int(t), cmd) for n, kind, carry, t, cmd in CALL.findall(text)]
+
+
+def test_the_documented_device_calls_leave_room_for_a_rerun_within_the_sessions_device_time():
+    """docs/gpu.md's first call and its warm rerun: on an H200 (the floor target is the H200's), one carry each,
+    within the tool's limits, and start + call 1 + the warm window + the rerun + give_back within 900 s, as the
+    doc's own table adds it up; the probe gets what call 1 leaves after gpu_check's budget and report."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    calls = _documented_calls()
+    assert [c[0] for c in calls] == [1, 2]
+    for _, kind, carry, timeout, cmd in calls:
+        assert kind == "nvidia-h200" and carry == [".device/gpu_check/wheels"]
+        assert timeout <= 600 and len(cmd) <= 2000
+        check = shlex.split(cmd.split(";")[0])
+        assert check[:3] == ["bash", "benchmarks/gpu_check.sh", "$OUT"]
+        args = gpu_check.parse_args(check[2:])
+        assert args.flat and args.part == 1 and args.budget_s < timeout
+    (_, _, _, t1, first), (_, _, _, t2, rerun) = calls
+    assert f"--budget-s {gpu_check.PART1_BUDGET_S} " in first
+    probe_end = int(re.search(r"timeout \$\(\((\d+) - SECONDS\)\) python3 benchmarks/gpu_paths_probe\.py", first)[1])
+    probe_start = int(re.search(r"--budget-s \$\(\((\d+) - SECONDS\)\)", first)[1])
+    assert gpu_check.PART1_BUDGET_S + 20 + 90 <= probe_end <= t1 - 5 and probe_start < probe_end
+    total = START_S + t1 + WINDOW_S + t2 + GIVE_BACK_S
+    assert total <= DEVICE_S and f"| **total** | **{total}** | of {DEVICE_S} |" in text
+    assert f"| call 1 | {t1} |" in text and f"| rerun (call 2), only where needed | {t2} |" in text
+    # the rerun: one done-when cell of part 1 with its 60 s to try, its budget inside its timeout
+    rerun_args = gpu_check.parse_args(shlex.split(rerun)[2:])
+    assert [c.name for c in rerun_args.cells] == ["8b-int8"] and rerun_args.budget_s + 10 <= t2
+    named = re.findall(r"^\| .* \| `([\w-]+)`(?: \(.*\))? \|$", text[text.index("| call 1's table says"):], re.M)
+    assert set(named) == {"8b-int8", "8b-int4-tinygemm", "8b-int4", "8b-fp16"}
+    assert all(c.try_s and c.try_s < rerun_args.budget_s for c in PART1 if c.name in named)
+
+
+def test_a_warm_rerun_finds_the_bundle_installed_and_installs_nothing(tmp_path):
+    """gpu_check.sh writes a stamp (the carried files' names and sizes) after its installs; a second call on the warm
+    machine with the same files skips them (the rerun's seconds go to its cell), one with other files installs."""
+    bundle, site = tmp_path / "bundle", tmp_path / "site"
+    (bundle / "wheels").mkdir(parents=True)
+    (bundle / "wheels" / "a-1.0-py3-none-any.whl").write_bytes(b"abc")
+    (bundle / "wheels" / "mslk.tar.xz").write_bytes(b"xz!!")
+    site.mkdir()
+    env = {**os.environ, **NO_GPU, "QB_GPU_BUNDLE": str(bundle), "QB_GPU_SITE": str(site)}
+
+    def dry() -> str:
+        done = subprocess.run(["bash", str(SH), str(tmp_path / "out"), "--dry-run", "--suite", "gpu_scaling:1"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    (site / ".qb-bundle").write_text("a-1.0-py3-none-any.whl 3\nmslk.tar.xz 4\n")
+    (site / ".qb-mslk").write_text("installed\n")
+    out = dry()
+    assert "already installed" in out and "mslk: installed" in out and "pip install" not in out
+    assert "--extract" not in out and sorted(p.name for p in site.iterdir()) == [".qb-bundle", ".qb-mslk"]
+    (site / ".qb-bundle").write_text("a-1.0-py3-none-any.whl 2\nmslk.tar.xz 4\n")  # another wheel: install
+    out = dry()
+    assert "already installed" not in out and "pip install" in out and "--extract" in out
+    assert (site / ".qb-bundle").exists()  # a dry run changes nothing
