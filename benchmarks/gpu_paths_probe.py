@@ -7,8 +7,9 @@ quantizers/gpu_paths.py says, timed as CUDA-graph replays, with the kernels that
 Issue #29 measured whole decode steps (H200, Llama-3.1-8B shape): int4 tinygemm 0.78x fp16, int8 weight-only
 0.69x, where torchao's H100 table has 1.90x and 1.57x. A whole step mixes attention, the 16-bit head, graph
 breaks and the linear kernels; this probe isolates the linears. Per variant: the seven linears of one layer of
-`--shape` (q, k, v, o, gate, up, down; harness/data/arch/<shape>.json) at one row, compiled as one function with
-the variant's mode and inductor flags, after 3 warm calls (compile, graph record, replay) timed over `--iters`
+`--shape` (q, k, v, o, gate, up, down; harness/data/arch/<shape>.json) at one row, fed as the decode step feeds
+them ([batch 1, 1 token, K]: torchao's preshuffled int4 passes that 3-D input to its kernel unreshaped), compiled as
+one function with the variant's mode and inductor flags, after 3 warm calls (compile, graph record, replay) timed over `--iters`
 replays in 5 blocks, each by the wall clock up to a device synchronize: us per layer (the median block) and the
 spread between blocks, weight GB/s (bytes really stored / time), ratio to fp16; graph breaks and graphs dynamo made; the top kernels by device time
 (as tag kernel.linear would name them); errors as one line, so one broken variant does not stop the rest.
@@ -180,13 +181,19 @@ def top_kernels(fn: Callable[[], object], device: str, n: int = 3) -> list[str]:
     return [f"{name(e.key)[:80]} ({float(getattr(e, key, 0.0)) / 5:.1f} us)" for e in rows[:n]]
 
 
+def inputs(dims: dict, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step's activations as the model feeds its linears: [batch 1, 1 token, K] (3-D, not a 2-D row: a
+    library may treat the two differently, as torchao's preshuffled int4 does), for the hidden and the MLP width."""
+    return (torch.randn(1, 1, dims["q"][1], dtype=dtype, device=device),
+            torch.randn(1, 1, dims["down"][1], dtype=dtype, device=device))
+
+
 def run_variant(name: str, dims: dict, device: str, iters: int, eager: bool) -> dict:
     dtype, transform, mode, flags, _ = VARIANTS[name]
     torch._dynamo.reset()
     layer = transform(Layer(dims, dtype, device)).eval()
     stored = module_bytes(layer, set())
-    x = torch.randn(1, dims["q"][1], dtype=dtype, device=device)
-    xi = torch.randn(1, dims["down"][1], dtype=dtype, device=device)
+    x, xi = inputs(dims, dtype, device)
     mode = "" if eager else mode
     breaks0, graphs0 = counters()
     import torch._inductor.config as inductor
@@ -219,7 +226,8 @@ def run_variant(name: str, dims: dict, device: str, iters: int, eager: bool) -> 
     return {"variant": name, "status": "OK", "us": round(us, 2), "spread_us": round(max(blocks) - min(blocks), 2),
             "GB/s": round(stored / us / 1e3, 1),
             "MB": round(stored / 1e6, 1), "compile_s": round(compile_s, 1), "graph_breaks": breaks, "graphs": made,
-            "mode": mode or "eager", "flags": gpu_paths.inductor_tag(flags), "kernels": kernels}
+            "mode": mode or "eager", "flags": gpu_paths.inductor_tag(flags), "kernels": kernels,
+            "input": [list(x.shape), list(xi.shape)]}
 
 
 def environment(device: str) -> dict:

@@ -277,9 +277,29 @@ def test_the_probe_runs_its_variants_and_writes_a_row_each(tmp_path):
     assert probe.main(["--smoke", "--out", str(tmp_path), "--iters", "10"]) == 0
     rows = {r["variant"]: r for r in json.loads((tmp_path / "probe.json").read_text())["rows"]}
     assert set(rows) == {"fp16", "int8_eager"} and all(r["status"] == "OK" for r in rows.values())
+    dims = probe.shape("tiny")  # the decode step's 3-D [1, 1, K], as the model feeds its linears (not a 2-D row)
+    assert all(r["input"] == [[1, 1, dims["q"][1]], [1, 1, dims["down"][1]]] for r in rows.values())
     assert all(r["us"] > 0 and r["spread_us"] >= 0 and r["kernels"] for r in rows.values())
     assert rows["int8_eager"]["GB/s"] < rows["fp16"]["GB/s"]
     assert "| int8_eager | OK |" in (tmp_path / "probe.md").read_text()
+
+
+def test_the_documented_probe_call_names_variants_that_exist_and_reaches_the_five_it_reads():
+    """docs/gpu.md's device call runs the probe with `--only`: each name a variant (else the probe refuses them all
+    at once), the five that tell the causes apart, mslk's last."""
+    import importlib.util
+    import re
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_paths_probe", ROOT / "benchmarks" / "gpu_paths_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    calls = re.findall(r"python3 benchmarks/gpu_paths_probe\.py .*--only (\S+)", (ROOT / "docs" / "gpu.md").read_text())
+    assert len(calls) == 1
+    names = calls[0].split(",")
+    assert set(names) <= set(probe.VARIANTS)
+    assert names == ["fp16", "int8_fused", "int8_gptfast", "int4_tinygemm_g64", "int4_preshuffled_g128"]
 
 
 @pytest.mark.parametrize("bits", ["int8", "int4"])
