@@ -256,7 +256,10 @@ def row_from(cell: str, returncode: int | None, log: str, result: dict | None, w
         kernel = t.get("kernel.linear") or t.get("kernel_path", "")
         if t.get("fast_path") and t.get("fast_path") != "eager":
             kernel = f"{kernel} [{t['fast_path']}]"
-        return Row(cell=cell, status=result.get("status", "?"), error=one_line(result.get("error", "")),
+        error = result.get("error", "")
+        if not error and t.get("fast_path") == "eager-fallback":  # OK, but not the path asked for: say why
+            error = f"eager fallback: {t.get('fast_path.error') or 'no reason recorded'}"
+        return Row(cell=cell, status=result.get("status", "?"), error=one_line(error),
                    decode_tokens_per_s=m.get("decode_tokens_per_s"), ttft_ms=m.get("ttft_ms"),
                    peak_mem_mb=m.get("peak_mem_mb"), weight_bytes=m.get("weight_bytes"),
                    perplexity=m.get("perplexity"), kernel_path=kernel, backend=t.get("quantizer.backend", ""),
@@ -269,7 +272,10 @@ def row_from(cell: str, returncode: int | None, log: str, result: dict | None, w
                                             "quantizer.resolved", "kernel.linear_share", "kernel.linear_2nd",
                                             "kernel.lm_head", "kernel.lm_head_share", "compile.graph_breaks",
                                             "compile.graph_break", "compile.cudagraph_skips",
-                                            "compile.cudagraph_skip", "quantizer.fake_ops") if k in t})
+                                            "compile.cudagraph_skip", "quantizer.fake_ops",
+                                            # why a cell fell back, which path it was given and why, with what flags
+                                            "fast_path.error", "quantizer.gpu_path", "quantizer.gpu_path_by",
+                                            "gpu.arch", "compile.inductor", "kernel.linear_path_share") if k in t})
     if returncode is None:
         return Row(cell=cell, status="TIMEOUT", error=f"no result after {timeout_s} s (killed); see its log",
                    wall_s=wall_s)

@@ -149,6 +149,19 @@ def test_a_row_from_a_result_keeps_the_kernel_tags_a_reader_checks():
     assert row.kernel_path == "marlin::Marlin [compiled]" and row.backend == "gptqmodel"
     assert row.extra == {"kernel.linear_share": "48%", "kernel.lm_head": "gemv2T_kernel_val",
                          "kernel.lm_head_share": "44%"}
+    # a cell that fell back says why, in table.json and in table.md's error column, with the path it was given
+    why = {"fast_path": "eager-fallback", "fast_path.error": "AssertionError: wrong number of dimensions2 for op",
+           "quantizer.gpu_path": "torchao_int4 kernel=preshuffled group_size=128", "quantizer.gpu_path_by": "sm_90",
+           "gpu.arch": "hopper", "compile.inductor": "coordinate_descent_tuning=True",
+           "kernel.linear_path_share": "81%", "kernel.linear": "cutlass"}
+    row = gpu_check.row_from("8b-int4", 0, "", {"status": "OK", "metrics": {"decode_tokens_per_s": 40.0},
+                                                "tags": why}, 1.0, 60)
+    assert {k: row.extra[k] for k in why if k not in ("fast_path", "kernel.linear")} == {
+        k: v for k, v in why.items() if k not in ("fast_path", "kernel.linear")}
+    assert row.status == "OK" and row.error == "eager fallback: AssertionError: wrong number of dimensions2 for op"
+    assert "| eager fallback: AssertionError: wrong number of dimensions2 for op |" in gpu_check.markdown(
+        [row], {"gpu": "NVIDIA H200"})
+    assert not gpu_check.ran_whole(row)  # and its hedge runs
 
 
 def test_the_budget_skips_cells_instead_of_overrunning(tmp_path):
@@ -304,7 +317,7 @@ def test_the_hedge_runs_next_when_8b_int4_falls_back_before_int8():
     after it, before 8b-int8, within the documented budget and an install of a minute."""
     ran, rows, _ = _on_a_fake_clock(PART1, gpu_check.PART1_BUDGET_S, 60, {}, {"8b-int4": _FELL_BACK})
     assert ran[:3] == ["8b-fp16", "8b-int4", "8b-int4-tinygemm"]
-    assert rows[2].status == "OK"
+    assert rows[2].status == "OK" and rows[1].extra["fast_path.error"] == "wrong number of dims"
     ran, rows, _ = _on_a_fake_clock(PART1, gpu_check.PART1_BUDGET_S, 60, {})  # compiled: no hedge, int8 runs
     assert ran == ["8b-fp16", "8b-int4", "8b-int8"] and rows[2].error.startswith("not needed")
     assert gpu_check.estimate_s("8b", "int8", 1) == gpu_check.estimate_s("8b", "int4", 1) + \
