@@ -409,8 +409,9 @@ def datasheet_bandwidth(gpu: str) -> tuple[float, str] | None:
     return None
 
 
-def floor_ms(row: Row, gpu: str) -> float | None:
-    """The datasheet floor of a decode step: the row's bytes per step over the GPU's peak bandwidth."""
+def datasheet_ms(row: Row, gpu: str) -> float | None:
+    """The datasheet floor of a decode step: the row's bytes per step over the GPU's peak bandwidth (column
+    `datasheet ms`; the measured floor is `linear floor ms`)."""
     sheet = datasheet_bandwidth(gpu)
     return row.bytes_per_step / sheet[0] * 1e3 if sheet and row.bytes_per_step else None
 
@@ -431,12 +432,12 @@ def markdown(rows: list[Row], header: dict) -> str:
             f"SmolLM2-135M formats and a Llama-3.1-8B shape ({BIG})")
     lines = [f"# GPU check on {gpu}: {what}", "",
              " · ".join(f"{k} {v}" for k, v in header.items() if k != "gpu"), "",
-             "roofline = fraction of the bound at the bandwidth this run measured; floor = bytes per step / the "
+             "roofline = fraction of the bound at the bandwidth this run measured; datasheet ms = bytes per step / the "
              + (f"datasheet's {sheet[0] / 1e12:.2f} TB/s ({sheet[1]})" if sheet else "datasheet bandwidth (unknown GPU)")
              + "; J/token from NVML's total-energy counter (energy: nvml), absent where it cannot be read"
              + ("; linear floor = every linear once at one row in one CUDA graph, share = floor / step, rest = step "
                 "- floor" if floors else "") + ".", "",
-             "| format | status | decode tok/s | ms/token | floor ms | roofline | vs fp16 | TTFT ms | peak mem MB "
+             "| format | status | decode tok/s | ms/token | datasheet ms | roofline | vs fp16 | TTFT ms | peak mem MB "
              "| weight MB | perplexity | J/token | energy | kernel path | backend | wall s | error |"
              + (" linear floor ms | floor share | rest ms |" if floors else ""),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if floors else "")]
@@ -446,7 +447,7 @@ def markdown(rows: list[Row], header: dict) -> str:
         weight = None if r.weight_bytes is None else r.weight_bytes / 1e6
         err = r.error.replace("|", "/")
         lines.append(f"| {r.cell} | {r.status} | {_num(r.decode_tokens_per_s, '.1f')} | {_num(r.ms_per_token, '.2f')} | "
-                     f"{_num(floor_ms(r, gpu), '.2f')} | {_num(r.roofline_fraction, '.2f')} | {ratio} | "
+                     f"{_num(datasheet_ms(r, gpu), '.2f')} | {_num(r.roofline_fraction, '.2f')} | {ratio} | "
                      f"{_num(r.ttft_ms, '.1f')} | {_num(r.peak_mem_mb, '.0f')} | {_num(weight, '.1f')} | "
                      f"{_num(r.perplexity, '.2f')} | {_num(r.energy_j_per_token, '.3f')} | {r.energy_method or '-'} | "
                      f"{r.kernel_path.replace('|', '/')} | {r.backend} | {r.wall_s:.0f} | {err} |"
@@ -460,7 +461,7 @@ def write_table(rows: list[Row], out: Path, header: dict) -> tuple[Path, Path]:
     md, js = out / "table.md", out / "table.json"
     md.write_text(markdown(rows, header))
     js.write_text(json.dumps({"header": header, "rows": [{**asdict(r), "ms_per_token": r.ms_per_token,
-                                                          "floor_ms": floor_ms(r, str(header.get("gpu", "")))}
+                                                          "datasheet_ms": datasheet_ms(r, str(header.get("gpu", "")))}
                                                          for r in rows]}, indent=2, sort_keys=True))
     return md, js
 
@@ -761,12 +762,16 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = max(0.0, time.time() - float(t0)) if t0.replace(".", "", 1).isdigit() else 0.0
     header["budget"] = f"{args.budget_s:.0f} s from the script's start ({elapsed:.0f} s spent before the first cell)"
 
+    if work != out:  # a warm machine's rerun finds the first call's cells in --work: they are not this call's
+        for sub in ("cells", "logs", "hydra"):
+            shutil.rmtree(work / sub, ignore_errors=True)
+
     def flush(rows: list[Row]) -> None:  # the table (and the packed cells) after every cell: a kill keeps them
         write_table(rows, out, header)
         if work != out:
             pack(work, out)
 
-    rows = run_cells(args.cells, work, args.budget_s, elapsed_s=elapsed, on_row=flush)
+    rows = run_cells(args.cells, work, args.budget_s, runner=run_subprocess, elapsed_s=elapsed, on_row=flush)
     md, js = write_table(rows, out, header)
     print(md.read_text())
     print(f"table: {md} and {js}" + (f"; cells packed in {out / 'cells.tar.gz'}" if work != out else ""))

@@ -129,7 +129,9 @@ def test_a_failed_hung_or_crashed_cell_is_a_row_and_the_others_run(tmp_path):
     assert "4.80 TB/s" in text
     data = json.loads(js.read_text())
     assert [r["status"] for r in data["rows"]] == ["OK", "OK", "OK", "TIMEOUT", "CRASHED", "OK", "FAILED"]
-    assert data["rows"][1]["floor_ms"] == pytest.approx(3.346, abs=1e-3) and data["rows"][1]["ms_per_token"] == 4.0
+    assert data["rows"][1]["datasheet_ms"] == pytest.approx(3.346, abs=1e-3) and data["rows"][1]["ms_per_token"] == 4.0
+    # the datasheet's floor and the measured one (`linear floor ms`) are two columns of two names
+    assert "| ms/token | datasheet ms | roofline |" in text and "| floor ms |" not in text
     assert data["rows"][0]["weight_bytes"] == 269e6 and data["header"]["gpu"] == "NVIDIA H200"
 
 
@@ -436,3 +438,30 @@ def test_a_warm_rerun_finds_the_bundle_installed_and_installs_nothing(tmp_path):
     out = dry()
     assert "already installed" not in out and "pip install" in out and "--extract" in out
     assert (site / ".qb-bundle").exists()  # a dry run changes nothing
+
+
+def test_a_flat_run_packs_only_its_own_cells_when_work_holds_an_earlier_calls(tmp_path, monkeypatch):
+    """--flat runs the cells in --work (/tmp/qb-gpu-work), which a warm machine's rerun finds full of call 1's
+    cells: they are cleared at the start, so cells.tar.gz and the report hold this call's cells alone."""
+    import tarfile
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    for sub in ("cells/8b-fp16/runs", "logs", "hydra/8b-fp16"):
+        (work / sub).mkdir(parents=True)
+    (work / "cells" / "8b-fp16" / "runs" / "old.json").write_text("{}")
+    (work / "logs" / "8b-fp16.log").write_text("call 1\n")
+    monkeypatch.setattr(gpu_check, "cuda_problem", lambda: "")
+    monkeypatch.setattr(gpu_check, "device_header", lambda: {"gpu": "NVIDIA H200"})
+    monkeypatch.setattr(gpu_check, "suite_report", lambda work, out=None: None)
+
+    def run_subprocess(cell, where):  # this call's one cell writes its log, as the real one does
+        (where / "logs").mkdir(parents=True, exist_ok=True)
+        (where / "logs" / f"{cell.name}.log").write_text("call 2\n")
+        return 0, "", _COMPILED
+
+    monkeypatch.setattr(gpu_check, "run_subprocess", run_subprocess)
+    assert gpu_check.main([str(out), "--suite", "gpu_scaling:1", "--only", "8b-int8", "--flat", "--work", str(work),
+                           "--budget-s", "300"]) == 0
+    with tarfile.open(out / "cells.tar.gz") as tar:
+        names = tar.getnames()
+    assert "logs/8b-int8.log" in names and not any("8b-fp16" in n for n in names), names
