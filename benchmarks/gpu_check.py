@@ -653,7 +653,7 @@ def tree_bytes(root: Path = ROOT) -> int:
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         names = proc.communicate(timeout=60)[0].decode(errors="replace").split("\0")
     except (OSError, subprocess.SubprocessError):
-        return 3 * 2**20  # no git: about what the tree weighs (2026-12-07: 2.5 MiB)
+        return 3 * 2**20  # no git: about what the tree weighs (2026-12-06: 2.6 MiB)
     return sum((root / n).stat().st_size for n in names if n and (root / n).is_file())
 
 
