@@ -55,6 +55,24 @@ def flatten(data: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def unflatten(params: dict[str, str]) -> dict:
+    """The nested config back from a run's params (`flatten`'s inverse, values kept as strings but "None" as
+    None): what a report reads of a cell's config from MLflow (harness/records/sweeps.py) must be what its
+    folder's JSON holds, or the speed settings a ratio compares (harness/records/rows.py `setting`) differ."""
+    out: dict = {}
+    for key, value in params.items():
+        *parents, name = key.split(".")
+        node = out
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):  # "a" and "a.b" both set: keep the leaf, the nested key is lost
+                break
+            node = child
+        else:
+            node[name] = None if value == "None" else value
+    return out
+
+
 def retry(fn: Callable[[], Any], tcfg: TrackingConfig, what: str) -> Any:
     """Call fn with bounded exponential backoff + jitter.
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from harness.analysis import frontier, frontier_plot
 from harness.errors import QuantbenchError
 from harness.metrics import HEADLINE
+from harness.records.mlflow_runs import unflatten
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.rows import rows_for
 from harness.records.server import backend_uri_for
@@ -77,8 +78,7 @@ def _from_parent(c, exp_id: str, parent) -> Sweep:  # noqa: ANN001 - mlflow obje
         status = tags.get("status") or {"FINISHED": "OK", "KILLED": "KILLED"}.get(run.info.status, "FAILED")
         cell = {"status": status, "metrics": dict(run.data.metrics), "tags": tags,
                 "run_name": run.info.run_name, "error": tags.get("error", ""), "mlflow_run_id": run.info.run_id,
-                "config": {"sweep": {"baseline": params.get("sweep.baseline", "")},
-                           "strategy": {"batch_size": params.get("strategy.batch_size")}}}
+                "config": unflatten(params)}  # whole: rows.setting() compares tokens, prompts, dtype...
         latest[tags.get("config_hash") or run.info.run_id] = cell  # ascending start: the rerun wins
     return Sweep(parent.data.tags.get("quantbench.sweep", "sweep"), list(latest.values()),
                  probe_from_parent(dict(parent.data.metrics), dict(parent.data.tags)), parent.info.run_id)

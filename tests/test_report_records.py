@@ -1,0 +1,65 @@
+"""`python -m harness.report` on records (folders and MLflow), and the records' own command-line edges: the same
+ratios from both sources, one error line (exit 2) for bad input or an unreachable store, result files that never
+replace each other. The sweeps are written the way a sweep writes them, without a model."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from harness.config import TrackingConfig
+from harness.records import report
+from harness.records.results import cell_path
+from harness.run.result import Result
+from harness.sweep.cell import append_manifest, record_cell
+from harness.sweep.parent import open_parent_run
+from harness.sweep.settings import SweepState, owner_id
+
+CPU = {"cpu_model": "Test CPU 9000", "cpu.vendor": "GenuineTest", "cpu.family": "6", "cpu.model": "85",
+       "cpu.isa": "avx2", "cpu.bf16": "False"}
+
+
+def write_sweep(tmp: Path, name: str, cells: list[tuple[str, dict, dict, float]]) -> TrackingConfig:
+    """A finished sweep `name` in tmp/<name> and tmp/mlflow.db: cells of (label, config, tags, tok/s)."""
+    tcfg = TrackingConfig(uri=f"sqlite:///{tmp}/mlflow.db", experiment="rec", results_dir=str(tmp))
+    state = SweepState(name=name, folder=str(tmp / name), invocation="inv1", commit="abc", owner=owner_id(),
+                       tracking=vars(tcfg).copy())
+    state.parent_run_id = open_parent_run(state, "")
+    for i, (label, config, tags, tps) in enumerate(cells):
+        r = Result(status="OK", config=config, metrics={"decode_tokens_per_s": tps},
+                   tags={"strategy.name": "Greedy", "model.name": "m", **tags}, config_hash=f"h{i}",
+                   started=time.time(), ended=time.time())
+        append_manifest(state, r.config_hash, label)
+        record_cell(r, cell_path(Path(state.folder), r.config_hash), state, label, {}, None, tcfg)
+    state.save()
+    return tcfg
+
+
+def ratios(md: Path) -> dict[str, str]:
+    """cell -> its `× baseline` column, from a report.md."""
+    out = {}
+    for line in md.read_text().splitlines():
+        cols = [c.strip() for c in line.split("|")]
+        if len(cols) > 6 and cols[1].startswith("quantizer="):
+            out[cols[1]] = cols[6]
+    return out
+
+
+def test_mlflow_rows_compare_like_the_folder_rows(tmp_path):
+    """Cells that differ in a speed setting (max_new_tokens) are each compared with their own baseline cell, from
+    MLflow as from the folder: MLflow's cells carry the whole config, not only the baseline and batch size."""
+    cells = []
+    for tokens, base, bf16 in ((4, 10.0, 12.0), (16, 20.0, 30.0)):
+        for q, tps in (("none", base), ("bf16", bf16)):
+            cells.append((f"quantizer={q},measure.max_new_tokens={tokens}",
+                          {"quantizer": {"name": q}, "measure": {"max_new_tokens": tokens, "prompts": "default"},
+                           "model": {"dtype": "float32"}, "sweep": {"baseline": "none"}},
+                          {"quantizer.name": q, **CPU}, tps))
+    tcfg = write_sweep(tmp_path, "tok", cells)
+    assert report.main([str(tmp_path / "tok"), "--out", str(tmp_path / "dir")]) == 0
+    assert report.main(["--mlflow-experiment", "rec", "--tracking-uri", tcfg.uri, "--out", str(tmp_path / "ml")]) == 0
+    folder, mlflow = ratios(tmp_path / "dir" / "report.md"), ratios(tmp_path / "ml" / "report.md")
+    assert folder == {"quantizer=none,measure.max_new_tokens=4": "1.00", "quantizer=bf16,measure.max_new_tokens=4":
+                      "1.20", "quantizer=none,measure.max_new_tokens=16": "1.00",
+                      "quantizer=bf16,measure.max_new_tokens=16": "1.50"}
+    assert mlflow == folder
