@@ -63,3 +63,18 @@ def test_mlflow_rows_compare_like_the_folder_rows(tmp_path):
                       "1.20", "quantizer=none,measure.max_new_tokens=16": "1.00",
                       "quantizer=bf16,measure.max_new_tokens=16": "1.50"}
     assert mlflow == folder
+
+
+def test_a_tracking_uri_with_a_password_or_a_dead_server_is_one_line(tmp_path, capsys):
+    """A password in --tracking-uri is refused before MLflow is contacted, and a server that is down costs seconds
+    and one line (MLflow's own retries turned off), never a traceback that prints the URI."""
+    for uri in ("http://u:pw-secret@127.0.0.1:1", "http://127.0.0.1:1"):
+        start = time.monotonic()
+        assert report.main(["--mlflow-experiment", "rec", "--tracking-uri", uri, "--out", str(tmp_path / "o")]) == 2
+        assert time.monotonic() - start < 20
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+        assert "pw-secret" not in err
+    assert "cannot read MLflow at http://127.0.0.1:1" in err
+    assert report.main(["--frontier", "--sweep", "s", "--tracking-uri", "http://127.0.0.1:1"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -33,6 +33,7 @@ from harness.metrics import value as _num  # a finite float or None
 from harness.records import sweeps
 from harness.records.results import sweep_baseline
 from harness.records.rows import describe, machines, rows_for  # noqa: F401 - the report's view of a cell
+from harness.schema import no_password
 
 log = logging.getLogger("quantbench")
 
@@ -226,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-ids", default="", help="--frontier from MLflow: parent run ids, comma-separated")
     ap.add_argument("--tag", default="", help="--frontier from MLflow: only parent runs with this tag (KEY=VALUE)")
     args = ap.parse_args(argv)
+    problems: list[str] = []
+    no_password(problems, "--tracking-uri", args.tracking_uri, "set MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD (an MLflow server), or use ~/.pgpass or PGPASSFILE (a database)")
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     uri = args.tracking_uri or TrackingConfig().resolved_uri()
     try:

@@ -12,17 +12,21 @@ axis, and recommendations and dominance compare formats of one sweep only.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.analysis import frontier, frontier_plot
+from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
 from harness.metrics import HEADLINE
-from harness.records.mlflow_runs import unflatten
+from harness.records.mlflow_runs import client, unflatten
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.rows import rows_for
-from harness.records.server import backend_uri_for
+from harness.records.server import redact
 from harness.sweep.resume import REUSED_TAG
 
 DRIFT_FILE = "drift.json"  # results/<sweep>/drift.json: the drift probe (harness/sweep/drift.py)
@@ -50,13 +54,29 @@ def from_folder(folder: Path, all_cells: bool = False) -> Sweep:
     return Sweep(folder.name, invocation_cells(folder), stored_probes(folder, invocation), str(folder))
 
 
-def _client(tracking_uri: str, experiment: str):  # noqa: ANN202 - MlflowClient, imported lazily (slow)
-    from mlflow.tracking import MlflowClient
+@contextlib.contextmanager
+def _reading(tracking_uri: str) -> Iterator[None]:
+    """MLflow's own errors (a refused connection, a broken store) as one line that names the store, its password
+    masked: they come as tracebacks whose messages can hold the URI."""
+    try:
+        yield
+    except QuantbenchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - requests, SQLAlchemy, MlflowException: whatever the store raised
+        text = (str(exc).strip().splitlines() or [""])[0][:300]
+        password = urllib.parse.urlsplit(tracking_uri).password
+        if password:
+            text = text.replace(password, "***")
+        raise QuantbenchError(f"cannot read MLflow at {redact(tracking_uri)}: {type(exc).__name__}: {text}; check "
+                              "--tracking-uri and that the store (or server) is up") from None
 
-    c = MlflowClient(tracking_uri=backend_uri_for(tracking_uri))
+
+def _client(tracking_uri: str, experiment: str):  # noqa: ANN202 - a BoundedClient (mlflow_runs.client)
+    # bounded: MLflow's own HTTP retries would keep a report waiting for minutes on a server that is down
+    c = client(TrackingConfig(uri=tracking_uri))
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
-        raise QuantbenchError(f"no MLflow experiment {experiment!r} at {tracking_uri}; check --mlflow-experiment "
+        raise QuantbenchError(f"no MLflow experiment {experiment!r} at {redact(tracking_uri)}; check --mlflow-experiment "
                               "and --tracking-uri")
     return c, exp.experiment_id
 
@@ -96,18 +116,23 @@ def _filter(sweep: str, tag: str = "") -> str:
 
 def latest_from_mlflow(tracking_uri: str, experiment: str, sweep: str = "") -> Sweep:
     """The latest sweep (or the latest of the named one) as cells + drift probe, from MLflow runs."""
-    c, exp_id = _client(tracking_uri, experiment)
-    parents = c.search_runs([exp_id], filter_string=_filter(sweep), order_by=["attributes.start_time DESC"],
-                            max_results=1)
-    if not parents:
-        raise QuantbenchError(f"no sweep run{' named ' + repr(sweep) if sweep else ''} in experiment "
-                              f"{experiment!r}; run one with: python run.py +experiment=smoke")
-    return _from_parent(c, exp_id, parents[0])
+    with _reading(tracking_uri):
+        c, exp_id = _client(tracking_uri, experiment)
+        parents = c.search_runs([exp_id], filter_string=_filter(sweep), order_by=["attributes.start_time DESC"],
+                                max_results=1)
+        if not parents:
+            raise QuantbenchError(f"no sweep run{' named ' + repr(sweep) if sweep else ''} in experiment "
+                                  f"{experiment!r}; run one with: python run.py +experiment=smoke")
+        return _from_parent(c, exp_id, parents[0])
 
 
 def select_from_mlflow(tracking_uri: str, experiment: str, sweep: str, ids: list[str], tag: str) -> list[Sweep]:
     """Sweeps named `sweep`, restricted to the parent run ids `ids` and/or the parent-run tag `tag` (KEY=VALUE)."""
-    c, exp_id = _client(tracking_uri, experiment)
+    with _reading(tracking_uri):
+        return _select(*_client(tracking_uri, experiment), experiment, sweep, ids, tag)
+
+
+def _select(c, exp_id: str, experiment: str, sweep: str, ids: list[str], tag: str) -> list[Sweep]:  # noqa: ANN001
     parents = c.search_runs([exp_id], filter_string=_filter(sweep, tag), order_by=["attributes.start_time ASC"],
                             max_results=5000)
     if ids:
