@@ -4,12 +4,14 @@ replace each other. The sweeps are written the way a sweep writes them, without 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from harness.config import TrackingConfig
 from harness.records import report
-from harness.records.results import cell_path
+from harness.records.results import cell_path, json_path
+from harness.records.tracking import record
 from harness.run.result import Result
 from harness.sweep.cell import append_manifest, record_cell
 from harness.sweep.parent import open_parent_run
@@ -78,3 +80,17 @@ def test_a_tracking_uri_with_a_password_or_a_dead_server_is_one_line(tmp_path, c
     assert "cannot read MLflow at http://127.0.0.1:1" in err
     assert report.main(["--frontier", "--sweep", "s", "--tracking-uri", "http://127.0.0.1:1"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_two_runs_of_one_config_in_one_second_keep_both_files(tmp_path):
+    tcfg = TrackingConfig(enabled=False, results_dir=str(tmp_path))
+    runs = [Result(status="OK", config={"q": 1}, metrics={"decode_tokens_per_s": tps}, run_name="same",
+                   config_hash="abcdef0123", started=1_700_000_000.1 + 0.8 * i, ended=1_700_000_001.0 + i)
+            for i, tps in enumerate((10.0, 11.0))]
+    paths = [json_path(r, tcfg) for r in runs]
+    assert paths[0] != paths[1] and paths[0].parent == paths[1].parent == tmp_path / "runs"
+    assert json_path(runs[0], tcfg) == paths[0]  # one result, one name (written before and after MLflow)
+    for r in runs:
+        record(r, tcfg)
+    kept = sorted(json.loads(p.read_text())["metrics"]["decode_tokens_per_s"] for p in (tmp_path / "runs").glob("*"))
+    assert kept == [10.0, 11.0]

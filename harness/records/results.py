@@ -86,7 +86,8 @@ def save_result(path: Path, result: Result, final: bool) -> Path | None:
         first = WRITE_ERROR_TAG not in result.tags
         result.tags[WRITE_ERROR_TAG] = f"{path}: {exc.strerror or exc}"
     # one name per result (its result_key), so the writes before and after MLflow land on the same file
-    kept = rescue_dir() / f"{path.parent.parent.name}-{path.stem}-{result_key(result)[-8:]}.json"
+    tail = result_key(result)[-8:]  # json_path's names end with it already
+    kept = rescue_dir() / f"{path.parent.parent.name}-{path.stem.removesuffix('-' + tail)}-{tail}.json"
     try:
         write_json_atomic(kept, result.to_dict())
     except OSError as exc:
@@ -102,9 +103,13 @@ def save_result(path: Path, result: Result, final: bool) -> Path | None:
 
 
 def json_path(result: Result, tcfg: TrackingConfig, folder: str = "runs") -> Path:
-    """Where a single run's result JSON goes: results/runs/<time>-<run name>-<config hash>.json."""
+    """Where a single run's result JSON goes: results/runs/<time>-<run name>-<config hash>-<key>.json.
+
+    <key> is the end of the result's own key (`result_key`, random): two runs of one config started in the same
+    second (a script, two terminals) got the same name, and the second replaced the first's file."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(result.started or time.time()))
-    return Path(tcfg.results_dir) / folder / f"{stamp}-{result.run_name}-{result.config_hash[:8]}.json"
+    return Path(tcfg.results_dir) / folder / \
+        f"{stamp}-{result.run_name}-{result.config_hash[:8]}-{result_key(result)[-8:]}.json"
 
 
 def pending(folder: Path) -> list[tuple[Path, Result]]:
