@@ -211,3 +211,24 @@ def test_drift_probe_reruns_every_cell_last_first_in_a_real_sweep(tmp_path):
 
     run = MlflowClient(uri).get_run(parent)
     assert run.data.tags[sweeps.PROBED_TAG] == run.data.tags["quantbench.invocation"]
+
+
+def test_cells_of_other_thread_counts_are_other_groups_not_rival_formats():
+    """A sweep over threads (the `scaling` experiment's -t1 model) compares formats per thread count: each group
+    names its threads, and no recommendation offers one format twice (once per thread count)."""
+    cells = []
+    for threads, scale in ((1, 1.0), (2, 1.8)):
+        for c in (cell("none", 20.0 * scale, kl=0.0005), cell("int8", 30.0 * scale, spread=0.2, kl=0.002),
+                  cell("int4", 31.0 * scale, spread=0.2, kl=0.003)):
+            c["tags"].update({"threads": threads, "sweep.cell": f"{c['tags']['sweep.cell']},threads={threads}"})
+            cells.append(c)
+    got = frontier.points(report.rows_for(cells, "none"), "none")
+    groups = {p.group for p in got}
+    assert groups == {"m / Greedy / batch 1 / threads 1", "m / Greedy / batch 1 / threads 2"}
+    for grp in groups:
+        members = [p for p in got if p.group == grp]
+        assert sorted(p.fmt for p in members) == ["int4", "int8", "none"]
+        for line in frontier.recommendations(members):
+            assert all(line.count(f"**{f} (k-{f})**") <= 1 for f in ("none", "int8", "int4")), line
+    text = frontier.section(report.rows_for(cells, "none"), "none")
+    assert "### AuthenticAMD family 25 model 17: m / Greedy / batch 1 / threads 2" in text

@@ -20,8 +20,10 @@ beside its Holm-adjusted value over the formats of the sweep. Without tasks: the
 its block-bootstrap interval (harness/analysis/intervals.py). Sweeps without an accuracy pass (random-weight
 shapes, `scaling`) get speed against weight bytes: random weights have no accuracy to lose.
 
-A format is dominated when another of the same machine and model is better on both axes beyond both
-intervals (the intervals do not overlap) and no larger in weight bytes.
+Points compare within one machine and group: model, strategy, batch size and context depth, and the speed
+settings that differ between the sweep's cells (threads, tokens, prompts, dtype: harness/records/rows.py), named
+in the group's heading. A format is dominated when another of the same machine and group is better on both axes
+beyond both intervals (the intervals do not overlap) and no larger in weight bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 from harness.analysis import intervals
 from harness.metrics import HEADLINE
 from harness.metrics import value as _num
-from harness.records.rows import baselines, lookup
+from harness.records.rows import baselines, lookup, setting_labels
 from harness.records.rows import group as _group
 
 ALPHA = 0.05  # significance level of the Holm-corrected task-accuracy test
@@ -48,7 +50,7 @@ class Point:
     fmt: str
     kernel: str
     machine: str
-    group: str  # model / strategy / batch (harness.records.rows.group): speedups compare within one, per machine
+    group: str  # model / strategy / batch (rows.group) and the speed settings that differ: points compare within one
     tps: float
     speedup: float
     lo: float
@@ -119,13 +121,16 @@ def points(rows: list[dict], baseline: str, probes: list[dict] | None = None) ->
     half = math.exp((drift_of(rows, probes or []) or 0.0) / 2)
     ok = [r for r in rows if r["status"] == "OK" and _num(r["metrics"], HEADLINE)]
     base = baselines(ok, baseline, lambda r: _speed(r["metrics"], again.get(r["tags"].get("config_hash")))[0])
+    # cells of other threads, tokens, prompts... are other comparisons, not rival formats: their own group
+    settings = setting_labels(ok)
     out = []
     for r in ok:
         m, t = r["metrics"], r["tags"]
         (tps, p10, p90), ref = _speed(m, again.get(t.get("config_hash"))), lookup(base, r)
         if not ref:
             continue  # no baseline cell for this model/strategy/batch: no speedup to draw
-        pt = Point(cell=r["cell"], fmt=r["quantizer"], kernel=_kernel(t), machine=r["machine"], group=_group(r),
+        grp = _group(r) + (f" / {settings[r.get('setting', '')]}" if settings.get(r.get("setting", "")) else "")
+        pt = Point(cell=r["cell"], fmt=r["quantizer"], kernel=_kernel(t), machine=r["machine"], group=grp,
                    tps=tps, speedup=tps / ref, lo=p10 / half / ref, hi=p90 * half / ref,
                    weight_bytes=_num(m, "weight_bytes"), kl=_num(m, "kl_div_mean"), kl_lo=_num(m, "kl_div_mean_lo"),
                    kl_hi=_num(m, "kl_div_mean_hi"))

@@ -67,6 +67,20 @@ def setting(config: dict, tags: dict) -> str:
     return "|".join(values)
 
 
+SETTING_NAMES = ("threads", *SPEED_KEYS)  # the parts of `setting`, in its order
+
+
+def setting_labels(rows: list[dict]) -> dict[str, str]:
+    """Each row's `setting` -> the parts of it that differ between `rows`, named ("threads 1,
+    measure.max_new_tokens=16"); '' where every row has the same. For headings that must tell apart cells a ratio
+    never compares (harness/analysis/frontier.py)."""
+    found = {s: s.split("|") for s in dict.fromkeys(r.get("setting", "") for r in rows)}
+    width = len(SETTING_NAMES)
+    differ = [i for i in range(width) if len({v[i] if len(v) == width else "" for v in found.values()}) > 1]
+    return {s: ", ".join(f"threads {v[i]}" if i == 0 else f"{SETTING_NAMES[i]}={v[i]}" for i in differ)
+            if len(v) == width else s for s, v in found.items()}
+
+
 def baseline_key(r: dict) -> tuple[str, str, str]:
     """What a cell's ratio compares within: machine, group and speed settings (module docstring)."""
     return r["machine"], group(r), r.get("setting", "")
