@@ -94,3 +94,13 @@ def test_two_runs_of_one_config_in_one_second_keep_both_files(tmp_path):
         record(r, tcfg)
     kept = sorted(json.loads(p.read_text())["metrics"]["decode_tokens_per_s"] for p in (tmp_path / "runs").glob("*"))
     assert kept == [10.0, 11.0]
+
+
+def test_one_cpu_with_two_thread_counts_is_one_machine():
+    cells = [{"status": "OK", "metrics": {"decode_tokens_per_s": 10.0 * t}, "config": {},
+              "tags": {"sweep.cell": f"threads={t}", "quantizer.name": "none", "threads": t, **CPU}} for t in (1, 2)]
+    text = report.markdown(report.rows_for(cells, "none"), "none")
+    assert "Measured on Test CPU 9000 (family 6 model 85, avx2, bf16 False), 1/2 threads." in text, text
+    assert "different machines" not in text
+    other = {**cells[1], "tags": {**cells[1]["tags"], "cpu.model": "86"}}  # another CPU model still is another
+    assert "Cells ran on 2 different machines" in report.markdown(report.rows_for([cells[0], other], "none"), "none")

@@ -43,7 +43,7 @@ def _fmt(v: float | None, fmt: str) -> str:
 
 
 def _machine_line(rows: list[dict]) -> list[str]:
-    found = machines(rows)
+    found = per_cpu(rows)  # one CPU run with two thread counts is one machine (the ratios keep them apart)
     if len(found) == 1:
         return [f"Measured on {found[0]}.", ""]
     if found:  # speeds from different CPUs are not comparable: say so before the table
@@ -146,14 +146,18 @@ def _counts(rows: list[dict]) -> dict[str, int]:
     return out
 
 
-def on_machines(rows: list[dict]) -> str:
-    """A figure title's second line: the CPU (or GPU) every speed in it was measured on."""
+def per_cpu(rows: list[dict]) -> list[str]:
+    """The machines the cells ran on, one line per CPU (or GPU) with its thread counts: "<cpu>, 1/2 threads"."""
     per: dict[str, list[str]] = {}  # "<cpu>, N threads" -> one line per CPU with its thread counts
     for m in machines(rows):
         cpu, _, threads = m.rpartition(", ")
         per.setdefault(cpu or m, []).append(threads.replace(" threads", "") if cpu else "")
-    lines = [f"{cpu}, {'/'.join(t for t in th if t)} threads" if any(th) else cpu for cpu, th in per.items()]
-    return "".join("\n" + textwrap.shorten(ln, 110) for ln in lines[:3])
+    return [f"{cpu}, {'/'.join(t for t in th if t)} threads" if any(th) else cpu for cpu, th in per.items()]
+
+
+def on_machines(rows: list[dict]) -> str:
+    """A figure title's second line: the CPU (or GPU) every speed in it was measured on."""
+    return "".join("\n" + textwrap.shorten(ln, 110) for ln in per_cpu(rows)[:3])
 
 
 def plot(rows: list[dict], path: Path, title: str = "sweep") -> Path:
