@@ -104,3 +104,22 @@ def test_one_cpu_with_two_thread_counts_is_one_machine():
     assert "different machines" not in text
     other = {**cells[1], "tags": {**cells[1]["tags"], "cpu.model": "86"}}  # another CPU model still is another
     assert "Cells ran on 2 different machines" in report.markdown(report.rows_for([cells[0], other], "none"), "none")
+
+
+def test_a_baseline_that_is_no_quantizer_of_the_sweep_is_refused_before_writing(tmp_path, capsys):
+    cells = [(f"quantizer={q}", {"quantizer": {"name": q}}, {"quantizer.name": q, **CPU}, tps)
+             for q, tps in (("none", 10.0), ("bf16", 20.0))]
+    write_sweep(tmp_path, "b", cells)
+    folder = tmp_path / "b"
+    assert report.main([str(folder)]) == 0
+    before = (folder / "report.md").read_text()
+    capsys.readouterr()
+    assert report.main([str(folder), "--baseline", "nonee"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --baseline 'nonee'") and "choose one of: bf16, none" in err and err.count("\n") == 1
+    assert (folder / "report.md").read_text() == before
+    # --frontier reads --baseline too: refused when absent, the speedups against it when present
+    assert report.main(["--frontier", str(folder), "--baseline", "nonee", "--out", str(tmp_path / "f0")]) == 2
+    assert not (tmp_path / "f0").exists()
+    assert report.main(["--frontier", str(folder), "--baseline", "bf16", "--out", str(tmp_path / "f")]) == 0
+    assert "| none | quantizer=none | 0.50x" in (tmp_path / "f" / "frontier.md").read_text()

@@ -32,7 +32,7 @@ from harness.metrics import DIRECTION_MARK, HEADLINE, METRICS, Metric, report_co
 from harness.metrics import value as _num  # a finite float or None
 from harness.records import sweeps
 from harness.records.results import sweep_baseline
-from harness.records.rows import describe, machines, rows_for  # noqa: F401 - the report's view of a cell
+from harness.records.rows import describe, machines, rows_for  # the report's view of a cell
 from harness.schema import no_password
 
 log = logging.getLogger("quantbench")
@@ -215,6 +215,15 @@ def write_report(folder: Path, cells: list[dict], baseline: str = "none", title:
     return paths
 
 
+def _check_baseline(baseline: str, found: list[sweeps.Sweep]) -> None:
+    """Refuse a --baseline that is no quantizer of every sweep: its ratios would all be missing ("—")."""
+    for s in found if baseline else []:
+        present = sorted({describe(c)["quantizer"] for c in s.cells})
+        if baseline not in present:
+            raise QuantbenchError(f"--baseline {baseline!r} is no quantizer of sweep {s.name} ({s.source}); "
+                                  f"choose one of: {', '.join(present)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.report",
                                  description="Write report.md and report.png for a sweep, from its results folder "
@@ -249,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   args.sweep, ids, args.tag)
             else:
                 raise QuantbenchError("--frontier needs sweep folders or --sweep NAME (e.g. --sweep quant_sweep)")
+            _check_baseline(args.baseline, found)
             out = Path(args.out or Path(TrackingConfig().results_dir) / f"frontier-{args.sweep or 'folders'}")
-            print("wrote " + ", ".join(map(str, sweeps.write_frontier(found, out))))
+            print("wrote " + ", ".join(map(str, sweeps.write_frontier(found, out, args.baseline))))
             return 0
         if args.mlflow_experiment:
             sweep = sweeps.latest_from_mlflow(uri, args.mlflow_experiment, args.sweep)
@@ -263,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "(several folders: add --frontier)")
         if not sweep.cells:
             raise QuantbenchError("no cell results found; run the sweep first (python run.py +experiment=<name>)")
+        _check_baseline(args.baseline, [sweep])  # before anything is written: a typo would replace report.md
     except QuantbenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -183,13 +183,14 @@ def probe_from_parent(metrics: dict, tags: dict) -> list[dict]:
     return [{"status": "OK", "metrics": m, "tags": {OF_TAG: of}} for of, m in found.items() if HEADLINE in m]
 
 
-def frontier_points(sweeps: list[Sweep]) -> list[frontier.Point]:
-    """Every sweep's points against its own baseline and drift; groups carry the sweep when there are several."""
+def frontier_points(sweeps: list[Sweep], baseline: str = "") -> list[frontier.Point]:
+    """Every sweep's points against its own baseline (`baseline` when given, else the sweep's) and drift; groups
+    carry the sweep when there are several."""
     out: list[frontier.Point] = []
     for s in sweeps:
-        baseline = sweep_baseline(s.cells)
-        rows = rows_for(s.cells, baseline)
-        pts = frontier.points(rows, baseline, s.probes)
+        base = baseline or sweep_baseline(s.cells)
+        rows = rows_for(s.cells, base)
+        pts = frontier.points(rows, base, s.probes)
         if len(sweeps) > 1:
             for p in pts:
                 p.group = f"{s.name} [{s.source}]: {p.group}"
@@ -197,9 +198,9 @@ def frontier_points(sweeps: list[Sweep]) -> list[frontier.Point]:
     return out
 
 
-def write_frontier(sweeps: list[Sweep], out: Path) -> list[Path]:
+def write_frontier(sweeps: list[Sweep], out: Path, baseline: str = "") -> list[Path]:
     """frontier.md and frontier.png for several sweeps, one panel (and one section) per machine."""
-    pts = frontier_points(sweeps)
+    pts = frontier_points(sweeps, baseline)
     if not pts:
         raise QuantbenchError("no OK cell with a speed and a baseline cell in the selected sweep(s): nothing to draw")
     out = Path(out)
