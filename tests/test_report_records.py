@@ -11,6 +11,7 @@ from pathlib import Path
 from harness.config import TrackingConfig
 from harness.records import report
 from harness.records.results import cell_path, json_path
+from harness.records.tracking import main as tracking_main
 from harness.records.tracking import record
 from harness.run.result import Result
 from harness.sweep.cell import append_manifest, record_cell
@@ -123,3 +124,16 @@ def test_a_baseline_that_is_no_quantizer_of_the_sweep_is_refused_before_writing(
     assert not (tmp_path / "f0").exists()
     assert report.main(["--frontier", str(folder), "--baseline", "bf16", "--out", str(tmp_path / "f")]) == 0
     assert "| none | quantizer=none | 0.50x" in (tmp_path / "f" / "frontier.md").read_text()
+
+
+def test_upload_refuses_bad_options_and_a_missing_folder_in_one_line(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    for args, says in ((["--uri", "http://u:pw-secret@127.0.0.1:1"], "holds a password"),
+                       (["--uri", uri, "--retries", "-1"], "tracking.retries=-1 must be >= 0")):
+        assert tracking_main(["upload", str(tmp_path), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and err.count("\n") == 1 and "pw-secret" not in err, err
+    assert tracking_main(["upload", str(tmp_path / "nope"), "--uri", uri]) == 2
+    out = capsys.readouterr()
+    assert "nope is not a folder" in out.err and out.err.count("\n") == 1 and "uploaded" not in out.out
+    assert not (tmp_path / "mlflow.db").exists()

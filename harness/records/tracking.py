@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from harness.config import TrackingConfig
-from harness.errors import QuantbenchError
+from harness.errors import ConfigError, QuantbenchError
 from harness.records import sweep_runs
 from harness.records.mlflow_runs import already_sent, log_to_mlflow
 from harness.records.results import (
@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--retries", type=int, default=3)
     up.add_argument("--timeout-s", type=float, default=10.0)
     args = ap.parse_args(argv)
+    if not Path(args.folder).is_dir():  # else "uploaded 0, failed 0", exit 0: a typo would read as all sent
+        print(f"error: {args.folder} is not a folder; pass the results folder that holds the JSONs to send "
+              "(e.g. results/)", file=sys.stderr)
+        return 2
     if not args.uri:  # a result copied from elsewhere could name any store: the user says where, every time
         named = ", ".join(repr(u) for u in named_stores(Path(args.folder)))
         print("error: upload needs --uri, the MLflow store to send to (e.g. --uri sqlite:///results/mlflow.db or "
@@ -184,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
               + (f" (these results name {named})" if named else ""), file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tcfg = TrackingConfig(uri=args.uri, experiment=args.experiment or "quantbench", retries=args.retries,
-                          timeout_s=args.timeout_s)
+    try:  # a password in --uri, --retries -1...: one line, not a traceback
+        tcfg = TrackingConfig(uri=args.uri, experiment=args.experiment or "quantbench", retries=args.retries,
+                              timeout_s=args.timeout_s)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     done, failed = upload(Path(args.folder), tcfg, own_experiment=args.experiment is None)
     print(f"uploaded {done}, failed {failed}")
     return 1 if failed else 0
