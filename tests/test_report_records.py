@@ -137,3 +137,13 @@ def test_upload_refuses_bad_options_and_a_missing_folder_in_one_line(tmp_path, c
     out = capsys.readouterr()
     assert "nope is not a folder" in out.err and out.err.count("\n") == 1 and "uploaded" not in out.out
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_local_store_that_does_not_exist_is_not_created(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default store: results/mlflow.db here
+    for args in (["--mlflow-experiment", "rec"], ["--frontier", "--sweep", "s", "--tracking-uri",
+                                                  f"sqlite:///{tmp_path}/elsewhere/mlflow.db"]):
+        assert report.main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: no MLflow store at ") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no results/, no mlflow.db, no folders

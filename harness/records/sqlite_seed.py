@@ -41,6 +41,15 @@ def seeded(uri: str) -> str:
     return uri
 
 
+def missing_store(uri: str) -> Path | None:
+    """The file of local SQLite store `uri` when it does not exist (None for an existing one or another kind):
+    a reader must not make an empty store just to find nothing in it."""
+    if not uri.startswith(PREFIX):
+        return None
+    path = Path(uri[len(PREFIX):].split("?", 1)[0])
+    return None if path.exists() else path
+
+
 def _template() -> Path:
     import mlflow
     from mlflow.tracking import MlflowClient

@@ -27,6 +27,7 @@ from harness.records.mlflow_runs import client, unflatten
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.rows import rows_for
 from harness.records.server import redact
+from harness.records.sqlite_seed import missing_store
 from harness.sweep.resume import REUSED_TAG
 
 DRIFT_FILE = "drift.json"  # results/<sweep>/drift.json: the drift probe (harness/sweep/drift.py)
@@ -72,6 +73,10 @@ def _reading(tracking_uri: str) -> Iterator[None]:
 
 
 def _client(tracking_uri: str, experiment: str):  # noqa: ANN202 - a BoundedClient (mlflow_runs.client)
+    if (db := missing_store(tracking_uri)) is not None:  # MLflow would create an empty store (and its folders)
+        raise QuantbenchError(f"no MLflow store at {db}; pass --tracking-uri with the store the sweep logged to "
+                              "(e.g. sqlite:///results/mlflow.db, or http://127.0.0.1:5000), or report from "
+                              "its folder: python -m harness.report results/<sweep>")
     # bounded: MLflow's own HTTP retries would keep a report waiting for minutes on a server that is down
     c = client(TrackingConfig(uri=tracking_uri))
     exp = c.get_experiment_by_name(experiment)

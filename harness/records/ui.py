@@ -15,18 +15,18 @@ import argparse
 import os
 import sys
 import urllib.parse
-from pathlib import Path
 
 from harness.config import TrackingConfig
 from harness.records.mlflow_runs import runs_url
 from harness.records.server import backend_uri_for, redact
+from harness.records.sqlite_seed import missing_store
 
 HOST = "127.0.0.1"  # loopback only: the UI can change and delete runs
 
 
 def experiment_links(store_uri: str, base_url: str) -> list[tuple[str, str]]:
     """(name, runs-table link) of every active experiment in the store that holds a run."""
-    if store_uri.startswith("sqlite:///") and not Path(store_uri[len("sqlite:///"):]).exists():
+    if missing_store(store_uri):
         return []  # nothing recorded yet; do not create the store just to list it
     from mlflow.tracking import MlflowClient  # heavy (seconds): only when listing, after the cheap check above
 
