@@ -10,7 +10,7 @@ from pathlib import Path
 
 from harness.config import TrackingConfig
 from harness.records import report
-from harness.records.results import cell_path, json_path
+from harness.records.results import cell_path, json_path, summary_line
 from harness.records.tracking import main as tracking_main
 from harness.records.tracking import record
 from harness.run.result import Result
@@ -147,3 +147,14 @@ def test_a_local_store_that_does_not_exist_is_not_created(tmp_path, capsys, monk
         err = capsys.readouterr().err
         assert err.startswith("error: no MLflow store at ") and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no results/, no mlflow.db, no folders
+
+
+def test_the_printed_result_line_names_its_machine_and_threads():
+    metrics = {"decode_tokens_per_s": 12.5, "weight_bytes": 1e6}
+    line = summary_line(Result(status="OK", config={}, metrics=metrics, run_name="r",
+                               tags={**CPU, "cpu.uarch": "zen4", "threads": "2", "device": "cpu"}))
+    assert line.startswith("[OK] r: decode 12.5 tok/s") and "\n" not in line
+    assert line.endswith("; measured on Test CPU 9000 (zen4, family 6 model 85, avx2), 2 threads"), line
+    gpu = summary_line(Result(status="OK", config={}, metrics=metrics, run_name="r",
+                              tags={**CPU, "device": "cuda", "device_name": "NVIDIA H100"}))
+    assert gpu.endswith("; measured on NVIDIA H100"), gpu

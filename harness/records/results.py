@@ -163,6 +163,19 @@ def sweep_baseline(cells: list[dict]) -> str:
     return DEFAULT_BASELINE
 
 
+def where(tags: dict) -> str:
+    """'; measured on <GPU>' or '; measured on <CPU> (<uarch>, family F model M, <isa>), N threads' from a result's
+    tags (harness/env.py): a speed is only read right beside the machine that gave it. '' for a result without them."""
+    if str(tags.get("device", "")).startswith("cuda") and tags.get("device_name"):
+        return f"; measured on {tags['device_name']}"
+    if not (tags.get("cpu_model") or tags.get("cpu.family")):
+        return ""
+    inner = ", ".join(x for x in (tags.get("cpu.uarch"), f"family {tags.get('cpu.family', '?')} model "
+                                  f"{tags.get('cpu.model', '?')}", tags.get("cpu.isa")) if x)
+    return f"; measured on {tags.get('cpu_model') or 'unknown CPU'} ({inner})" + \
+        (f", {tags['threads']} threads" if tags.get("threads") else "")
+
+
 def summary_line(result: Result) -> str:
     """A result in one line for the terminal: the headline speeds, weights and accuracy, or why it failed."""
     m = result.metrics
@@ -174,7 +187,7 @@ def summary_line(result: Result) -> str:
                 + (f"capacity {cap:.2f} req/s under SLO {result.tags.get('load.slo', 'none')} "
                    f"(p90 TTFT {m.get('capacity_ttft_ms_p90', float('nan')):.0f} ms, p90 TPOT "
                    f"{m.get('capacity_tpot_ms_p90', float('nan')):.1f} ms), " if cap is not None else "")
-                + f"max {m.get('max_rps', float('nan')):.2f} req/s")
+                + f"max {m.get('max_rps', float('nan')):.2f} req/s" + where(result.tags))
     parts = [f"decode {m.get('decode_tokens_per_s', float('nan')):.1f} tok/s "
              f"(p10 {m.get('decode_tokens_per_s_p10', float('nan')):.1f}, "
              f"p90 {m.get('decode_tokens_per_s_p90', float('nan')):.1f})",
@@ -191,4 +204,4 @@ def summary_line(result: Result) -> str:
         parts.append(f"task acc {m['tasks_acc_mean']:.3f} (mean of tasks {m['tasks_acc_diff_mean']:+.3f} vs "
                      f"reference; {pooled}{m['tasks_acc_right_to_wrong']:.0f} right->wrong, "
                      f"{m['tasks_acc_wrong_to_right']:.0f} wrong->right, McNemar p {m['tasks_acc_mcnemar_p']:.3g})")
-    return f"[OK] {result.run_name}: " + ", ".join(parts)
+    return f"[OK] {result.run_name}: " + ", ".join(parts) + where(result.tags)
