@@ -158,3 +158,12 @@ def test_the_printed_result_line_names_its_machine_and_threads():
     gpu = summary_line(Result(status="OK", config={}, metrics=metrics, run_name="r",
                               tags={**CPU, "device": "cuda", "device_name": "NVIDIA H100"}))
     assert gpu.endswith("; measured on NVIDIA H100"), gpu
+
+
+def test_a_quote_in_sweep_or_tag_is_refused_in_one_line_before_mlflow(capsys):
+    dead = "http://127.0.0.1:1"  # never contacted: the name is refused first
+    for args in (["--mlflow-experiment", "rec", "--sweep", "it's"],
+                 ["--frontier", "--sweep", "s", "--tag", "quantbench.label=lab'a"]):
+        assert report.main([*args, "--tracking-uri", dead]) == 2
+        err = capsys.readouterr().err
+        assert "holds a quote" in err and err.count("\n") == 1, err

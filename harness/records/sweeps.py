@@ -110,6 +110,12 @@ def _from_parent(c, exp_id: str, parent) -> Sweep:  # noqa: ANN001 - mlflow obje
 
 
 def _filter(sweep: str, tag: str = "") -> str:
+    """MLflow's search filter for the sweeps' parent runs; a quote in a name is refused (MLflow's filter has no
+    escape for it: it failed with a 30-line parse error)."""
+    for option, text in (("--sweep", sweep), ("--tag", tag)):
+        if "'" in text or "`" in text:
+            raise QuantbenchError(f"{option} {text!r} holds a quote (' or `), which no sweep name or tag has here "
+                                  "(MLflow's search cannot match one); give the name without it")
     filt = "tags.`quantbench.role` = 'sweep'" + (f" and tags.`quantbench.sweep` = '{sweep}'" if sweep else "")
     if tag:
         if "=" not in tag:
@@ -121,10 +127,10 @@ def _filter(sweep: str, tag: str = "") -> str:
 
 def latest_from_mlflow(tracking_uri: str, experiment: str, sweep: str = "") -> Sweep:
     """The latest sweep (or the latest of the named one) as cells + drift probe, from MLflow runs."""
+    filt = _filter(sweep)  # before MLflow is contacted: a bad name costs nothing
     with _reading(tracking_uri):
         c, exp_id = _client(tracking_uri, experiment)
-        parents = c.search_runs([exp_id], filter_string=_filter(sweep), order_by=["attributes.start_time DESC"],
-                                max_results=1)
+        parents = c.search_runs([exp_id], filter_string=filt, order_by=["attributes.start_time DESC"], max_results=1)
         if not parents:
             raise QuantbenchError(f"no sweep run{' named ' + repr(sweep) if sweep else ''} in experiment "
                                   f"{experiment!r}; run one with: python run.py +experiment=smoke")
@@ -133,6 +139,7 @@ def latest_from_mlflow(tracking_uri: str, experiment: str, sweep: str = "") -> S
 
 def select_from_mlflow(tracking_uri: str, experiment: str, sweep: str, ids: list[str], tag: str) -> list[Sweep]:
     """Sweeps named `sweep`, restricted to the parent run ids `ids` and/or the parent-run tag `tag` (KEY=VALUE)."""
+    _filter(sweep, tag)  # before MLflow is contacted: a bad name or tag costs nothing
     with _reading(tracking_uri):
         return _select(*_client(tracking_uri, experiment), experiment, sweep, ids, tag)
 
