@@ -158,6 +158,10 @@ def test_the_printed_result_line_names_its_machine_and_threads():
     gpu = summary_line(Result(status="OK", config={}, metrics=metrics, run_name="r",
                               tags={**CPU, "device": "cuda", "device_name": "NVIDIA H100"}))
     assert gpu.endswith("; measured on NVIDIA H100"), gpu
+    prefill = summary_line(Result(status="OK", config={}, run_name="pp512", tags={},  # llama-bench's pp512: no decode
+                                  metrics={"decode_tokens_per_s": float("nan"), "prompt_tokens_per_s": 812.3,
+                                           "ttft_ms": 630.5, "weight_bytes": 1e6, "bits_per_weight": 16.0}))
+    assert prefill.startswith("[OK] pp512: prefill 812.3 tok/s, TTFT 630.5 ms, weights") and "nan" not in prefill, prefill
 
 
 def test_a_quote_in_sweep_or_tag_is_refused_in_one_line_before_mlflow(capsys):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -188,11 +189,14 @@ def summary_line(result: Result) -> str:
                    f"(p90 TTFT {m.get('capacity_ttft_ms_p90', float('nan')):.0f} ms, p90 TPOT "
                    f"{m.get('capacity_tpot_ms_p90', float('nan')):.1f} ms), " if cap is not None else "")
                 + f"max {m.get('max_rps', float('nan')):.2f} req/s" + where(result.tags))
-    parts = [f"decode {m.get('decode_tokens_per_s', float('nan')):.1f} tok/s "
-             f"(p10 {m.get('decode_tokens_per_s_p10', float('nan')):.1f}, "
-             f"p90 {m.get('decode_tokens_per_s_p90', float('nan')):.1f})",
-             f"TTFT {m.get('ttft_ms', float('nan')):.1f} ms",
-             f"ITL p50 {m.get('itl_ms_p50', float('nan')):.1f} ms",
+    decode = m.get("decode_tokens_per_s", float("nan"))
+    if math.isnan(decode) and "prompt_tokens_per_s" in m:  # a prefill-only workload (llama-bench's pp512): no decode
+        speed = [f"prefill {m['prompt_tokens_per_s']:.1f} tok/s", *([f"TTFT {m['ttft_ms']:.1f} ms"] if "ttft_ms" in m else [])]
+    else:
+        speed = [f"decode {decode:.1f} tok/s (p10 {m.get('decode_tokens_per_s_p10', float('nan')):.1f}, "
+                 f"p90 {m.get('decode_tokens_per_s_p90', float('nan')):.1f})",
+                 f"TTFT {m.get('ttft_ms', float('nan')):.1f} ms", f"ITL p50 {m.get('itl_ms_p50', float('nan')):.1f} ms"]
+    parts = [*speed,
              f"weights {m.get('weight_bytes', 0) / 1e6:.1f} MB ({m.get('bits_per_weight', float('nan')):.2f} b/w)"]
     if "perplexity" in m:
         parts.append(f"ppl {m['perplexity']:.3f}")
