@@ -28,7 +28,7 @@ from harness import LOG_ENV, VERBOSE_FLAGS, quiet_third_party, set_verbose
 from harness.cli import precheck, run_one
 from harness.config import group_choice_problem, register_configs
 from harness.sweep.cell import run_cell
-from harness.sweep.parent import abort, exit_code
+from harness.sweep.parent import abort, exit_code, launcher_failed
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -58,4 +58,9 @@ if __name__ == "__main__":
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM during a sweep: close it KILLED, nothing left RUNNING
         abort()
         sys.exit(getattr(exc, "exit_code", 130))
+    except Exception as exc:  # raised out of a sweep (its callback lets it through): close the sweep first
+        if (line := launcher_failed(exc)) is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(1)
     sys.exit(exit_code())  # set by harness.sweep.callback.SweepCallback: 1 when any cell was not OK, or none was OK

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from harness.config import build, register_configs
@@ -25,11 +25,11 @@ from harness.options import KINDS, unknown_key
 from harness.records import tracking
 from harness.records.results import summary_line
 from harness.run import runner
-from harness.sweep.settings import planned_cells
+from harness.sweep.launchers import LOCAL_LAUNCHERS, launcher_name, time_limit_problem
+from harness.sweep.settings import planned_cells, settings_from
 
 HYDRA_RUN_FLAGS = ("-m", "--multirun")  # other Hydra flags (--help, --cfg, --info, -c ...) skip the precheck
 GROUPS = ("model", "quantizer", "strategy", "engine")
-LOCAL_LAUNCHERS = ("BasicLauncher", "LocalLauncher", "JoblibLauncher")  # cells on this machine (its cores)
 
 
 def _compose(overrides: list[str], hydra: bool = False) -> DictConfig:
@@ -102,22 +102,30 @@ def precheck(argv: list[str]) -> str | None:
     if sweeps and not multirun:
         return (f"{sweeps[0]!r} lists several values: add -m (--multirun) to sweep them, or write key=[a,b] for a "
                 "list value")
-    cells = [overrides]
+    cells, planned = [overrides], None
     if multirun:
         cfg.hydra.overrides.task = overrides
-        cells = planned_cells(cfg.hydra) or [base]  # another sweeper: validate what composes without it
+        planned = planned_cells(cfg.hydra)
+        cells = planned or [base]  # another sweeper: validate what composes without it
     cores = launcher_cores(cfg.hydra.launcher) if multirun else None
     for cell in cells:
         if (problem := validate(cell, cores)):
             label = ",".join(o for o in cell if o not in base) or "default"
             return f"sweep cell {label}: {problem}" if len(cells) > 1 else problem
+    if multirun:
+        try:  # the base config's settings (a sweep over sweep.timeout_s is checked with its default)
+            settings = settings_from({"sweep": OmegaConf.to_container(cfg.sweep, resolve=True)})
+        except QuantbenchError as exc:
+            return str(exc)
+        return time_limit_problem(cfg.hydra.launcher, settings.timeout_s, settings.startup_timeout_s,
+                                  len(planned or []) or 1)
     return None
 
 
 def launcher_cores(launcher: DictConfig) -> int | None:
     """The cores a sweep cell will have: None (this machine's) under a local launcher; under one that runs cells
     elsewhere (SLURM) its cpus_per_task, or 0 (unknown: the cell checks measure.threads on its node)."""
-    if str(launcher.get("_target_", "")).rsplit(".", 1)[-1] in LOCAL_LAUNCHERS:
+    if launcher_name(launcher) in LOCAL_LAUNCHERS:
         return None
     cpus = launcher.get("cpus_per_task")
     return cpus if isinstance(cpus, int) and cpus > 0 else 0

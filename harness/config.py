@@ -45,6 +45,7 @@ from harness.schema import (
     positive,
     unchecked,
 )
+from harness.sweep import launchers
 from harness.targets import TARGET_PACKAGES, target_problem
 
 # names other modules import from here (the schema's constants live in harness/schema.py)
@@ -257,6 +258,7 @@ def register_configs() -> None:
     cs.store(group="schema", name="tracking", node=TrackingConfig)
     cs.store(group="schema", name="load", node=LoadConfig)
     cs.store(group="schema", name="slo", node=SloConfig)
+    launchers.register(cs)  # hydra/launcher=local's schema
 
 
 @dataclass

@@ -66,7 +66,7 @@ def test_slurm_launcher_defaults_render_a_gpu_job_array(tmp_path, monkeypatch):
     assert "#SBATCH --gpus-per-task=1" in lines
     assert "#SBATCH --cpus-per-task=8" in lines
     assert "#SBATCH --mem=64GB" in lines
-    assert "#SBATCH --time=120" in lines
+    assert "#SBATCH --time=180" in lines  # above task_accuracy's 7200 + 600 s per cell
     assert "#SBATCH --array=0-19%8" in lines  # 20 cells, at most 8 at once
     assert not any(line.startswith("#SBATCH --partition") for line in lines)  # the cluster's default
     assert "#SBATCH --signal=USR2@120" in lines  # submitit's warning before the time limit
@@ -89,7 +89,8 @@ def test_launcher_configs_compose_and_unknown_fields_fail():
     from hydra.errors import ConfigCompositionException
 
     local = compose_with_hydra(["hydra/launcher=local"]).hydra.launcher
-    assert local._target_.endswith("LocalLauncher") and local.timeout_min == 90
+    # a week, no requeue: the local launcher's cells wait for each other's turn within their jobs' limit
+    assert local._target_.endswith("LocalLauncher") and local.timeout_min == 10080 and local.max_num_timeout == 0
     bare = compose_with_hydra(["hydra/launcher=submitit_slurm"]).hydra.launcher
     assert bare._target_.endswith("SlurmLauncher") and bare.gpus_per_task is None
     with pytest.raises(ConfigCompositionException, match="partitoin"):  # typed schema: typos fail early
@@ -125,6 +126,10 @@ def test_smoke_sweep_under_submitit_local_matches_the_basic_launcher(tmp_path):
     cells = [json.loads(p.read_text()) for p in (tmp_path / "smoke" / "cells").glob("*.json")]
     assert sorted(c["tags"]["quantizer.name"] for c in cells) == ["bf16", "fp16", "none"]
     assert all(c["status"] == "OK" and c["metrics"]["decode_tokens_per_s"] > 0 for c in cells)
+    # the three jobs started at once, yet measured one at a time (the host's measuring lock): no two overlap
+    spans = sorted((c["started"], c["ended"]) for c in cells)
+    assert all(end <= later_start for (_, end), (later_start, _) in zip(spans, spans[1:], strict=False)), spans
+    assert {c["tags"]["sweep.launcher"] for c in cells} == {"LocalLauncher"}
 
     parents, runs = mlflow_cells(uri, "launchers")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
@@ -147,3 +152,46 @@ def test_smoke_sweep_under_submitit_local_matches_the_basic_launcher(tmp_path):
     parents2, runs2 = mlflow_cells(uri, "launchers")
     assert [p.info.run_id for p in parents2] == [parents[0].info.run_id]
     assert sorted(r.info.run_id for r in runs2) == sorted(by_id)
+
+
+def test_a_launcher_job_limit_below_the_sweeps_timeouts_is_refused_in_one_line():
+    from harness.cli import precheck
+
+    tiny = ["-m", "quantizer=none,bf16", "model=tiny_random"]
+    problem = precheck([*tiny, "hydra/launcher=local", "hydra.launcher.timeout_min=1", "sweep.timeout_s=240"])
+    # 2 cells in turn, each up to 240 + 600 s, plus submitit's 30 s warning: 1710 s
+    assert problem and "\n" not in problem and "set hydra.launcher.timeout_min=29 or more" in problem, problem
+    assert "hydra.launcher.timeout_min=141" in precheck([*tiny, "hydra/launcher=submitit_local"])  # bare: 60 min
+    assert precheck([*tiny, "hydra/launcher=local"]) is None
+    assert precheck(["+experiment=smoke", "hydra/launcher=submitit_local"]) is None  # the documented smoke: fits
+    slurm = precheck([*tiny, "hydra/launcher=slurm", "hydra.launcher.timeout_min=60"])  # one cell per node
+    assert "a cell may take sweep.startup_timeout_s + sweep.timeout_s = 4200 s" in slurm, slurm
+    assert "hydra.launcher.timeout_min=73 or more" in slurm  # 4200 s + its 120 s signal_delay_s
+
+
+def test_a_launcher_error_out_of_the_sweep_closes_it(tmp_path, monkeypatch):
+    """submitit raising out of Hydra's sweep (a job past its limit) skips the callback's end: run.py closes the
+    sweep through launcher_failed, so sweep.json gets a status and the report is written."""
+    from harness.records.results import cell_path
+    from harness.run.result import Result
+    from harness.sweep import parent
+    from harness.sweep.cell import append_manifest, record_cell
+    from harness.sweep.settings import SweepState, owner_id
+
+    state = SweepState(name="lim", folder=str(tmp_path / "lim"), invocation="inv1", commit="c", owner=owner_id(),
+                       tracking={"enabled": False, "results_dir": str(tmp_path)}, planned=2,
+                       sweep={"drift_probe": "all"})
+    ok = Result(status="OK", config={"quantizer": {"q": "none"}}, metrics={"decode_tokens_per_s": 9.0},
+                tags={"quantizer.name": "none"}, config_hash="aa" * 6, started=1.0, ended=2.0)
+    append_manifest(state, ok.config_hash, "quantizer=none")
+    record_cell(ok, cell_path(Path(state.folder), ok.config_hash), state, "quantizer=none", {}, None, state.tcfg)
+    monkeypatch.setitem(parent._OPEN, "state", state)
+    monkeypatch.setattr(parent.drift, "run_probes", lambda *a, **k: pytest.fail("no probe after a launcher error"))
+    UncompletedJobError = type("UncompletedJobError", (RuntimeError,), {"__module__": "submitit.core.utils"})
+
+    line = parent.launcher_failed(UncompletedJobError("Job 123 has not produced any output\n(state: FINISHED)"))
+    assert line and "\n" not in line and "UncompletedJobError: Job 123 has not produced any output" in line
+    saved = json.loads((tmp_path / "lim" / "sweep.json").read_text())
+    assert saved["status"] == "FAILED" and "1 never reported" in saved["summary"]
+    assert (tmp_path / "lim" / "report.md").is_file() and parent.exit_code() == 1
+    assert parent.launcher_failed(RuntimeError("not a sweep's")) is None  # closed already: nothing open

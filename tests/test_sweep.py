@@ -22,6 +22,7 @@ from conftest import ROOT
 from harness.errors import ConfigError
 from harness.records import report
 from harness.records.results import cell_path, invocation_cells
+from harness.sweep import isolated
 from harness.sweep.cell import append_manifest, distinct_label, record_cell, run_cell
 from harness.sweep.isolated import fault_for, run_isolated, warm_up
 from harness.sweep.parent import open_parent_run
@@ -198,6 +199,74 @@ def test_warm_cell_runs_with_the_sweeps_environment_of_now(compose, tmp_path, mo
 def test_start_method_is_validated():
     with pytest.raises(ConfigError, match="sweep.start_method='fork' is not allowed; choose one of: forkserver, spawn"):
         SweepSettings(start_method="fork")
+
+
+def test_cells_on_this_machine_take_turns_measuring(tmp_path, monkeypatch, capsys):
+    """submitit_local starts every cell at once: each waits for the host's measuring lock, so no two measure on the
+    same cores; a cell that runs elsewhere (exclusive=False) does not wait."""
+    import threading
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    events: list[str] = []
+
+    def second(exclusive: bool) -> None:
+        with isolated.measuring_turn(exclusive):
+            events.append(f"second in (exclusive={exclusive})")
+
+    with isolated.measuring_turn():
+        events.append("first in")
+        waiter = threading.Thread(target=second, args=(True,))
+        waiter.start()
+        elsewhere = threading.Thread(target=second, args=(False,))
+        elsewhere.start()
+        elsewhere.join(10)
+        waiter.join(1.0)
+        assert waiter.is_alive()  # still waiting for the first
+        events.append("first out")
+    waiter.join(10)
+    assert events == ["first in", "second in (exclusive=False)", "first out", "second in (exclusive=True)"]
+    assert "[wait] another cell on this machine is measuring (pid" in capsys.readouterr().out
+
+
+def test_an_error_raised_in_the_sweep_kills_the_cells_child(compose, monkeypatch):
+    """submitit's signal before its job limit raises in the job while the cell's child runs: the child must end
+    with it (a live child kept the job in multiprocessing's exit handler forever: the sweep ended in a traceback)."""
+    import psutil
+
+    from harness.config import to_plain
+
+    config = to_plain(compose(TINY))
+    config.pop("hydra", None)
+    real = isolated.mp_context
+    seen: dict[str, int] = {}
+
+    class Recv:  # the parent's end of the pipe: raises, as the signal handler would, once the child is ready
+        def __init__(self, conn):
+            self.conn = conn
+
+        def poll(self, timeout=0.0):
+            if "pid" in seen:
+                raise RuntimeError("Job not requeued because: timed-out too many times.")
+            return self.conn.poll(timeout)
+
+        def recv(self):
+            kind, value = self.conn.recv()
+            seen["pid"] = value
+            return kind, value
+
+        def close(self):
+            self.conn.close()
+
+    def context(method):
+        ctx = real(method)
+        pipe = ctx.Pipe
+        monkeypatch.setattr(ctx, "Pipe", lambda duplex: (lambda r, s: (Recv(r), s))(*pipe(duplex)), raising=False)
+        return ctx
+
+    monkeypatch.setattr(isolated, "mp_context", context)
+    with pytest.raises(RuntimeError, match="timed-out"):
+        run_isolated(config, SweepSettings(timeout_s=120), "hang")
+    assert not psutil.pid_exists(seen["pid"]) or psutil.Process(seen["pid"]).status() == psutil.STATUS_ZOMBIE
 
 
 def _spawned_child(pid: int, wait_s: float = 240) -> int:

@@ -24,17 +24,19 @@ Warm cells: the child is forked from a `forkserver` that imported torch, transfo
 fresh interpreter instead). The server only imports, never computes, so every child starts from the same
 clean state; the parent's environment and working directory are handed to each child.
 
-Everything a job needs travels through files, never through in-process globals, which is what keeps
-results identical under hydra/launcher=submitit_local. The in-process globals (`progress`, `parent`)
-only drive the progress bar and the exit code of the launching process.
+Everything a job needs travels through files, never through in-process globals, and cells on this machine
+measure one at a time under any launcher (a host-wide lock: `isolated.measuring_turn`; `launchers` says which
+launchers run cells here), which is what keeps results identical under hydra/launcher=submitit_local.
+The in-process globals (`progress`, `parent`) only drive the progress bar and the exit code of the launching
+process.
 
 Test-only fault injection: $QUANTBENCH_TEST_FAULTS (JSON, e.g. '{"kill": {"measure.seed": 1}}') makes
 the child of every matching cell SIGKILL itself ("kill"), hang ("hang") or raise MemoryError ("oom")
 once it is ready (`isolated.fault_for`). It exists for the fault-drill tests; it is not a config field,
 so it never changes a cell's config hash and a resume without it runs the same cells cleanly.
 
-Modules, lowest first: settings (sweep settings, the state file, cell names), resume (resume key, folder
-lock), progress (bar and terminal lines), isolated (a cell's child process), cell (one Hydra job), parent
-(open and close a sweep), callback (the Hydra callback); drift is the probe that measures the drift between
-cells; preload is what the forkserver imports.
+Modules, lowest first: settings (sweep settings, the state file, cell names), launchers (which run cells on
+this machine, their job limits), resume (resume key, folder lock), progress (bar and terminal lines), isolated
+(a cell's child process), cell (one Hydra job), parent (open and close a sweep), callback (the Hydra callback);
+drift is the probe that measures the drift between cells; preload is what the forkserver imports.
 """

@@ -18,6 +18,8 @@ from harness.errors import QuantbenchError
 from harness.sweep.parent import finish_sweep, start_sweep
 from harness.sweep.settings import STATE_ENV, SweepState, find_state, plain_without_hydra
 
+FULL_ERROR = "HYDRA_FULL_ERROR"  # set: Hydra re-raises an error instead of printing it and exiting
+
 
 class SweepInterrupted(KeyboardInterrupt):
     """SIGTERM turned into the same clean stop as Ctrl-C (kill the cell, record KILLED, close the sweep)."""
@@ -47,6 +49,9 @@ class SweepCallback(Callback):
             raise SystemExit(2) from None  # SystemExit passes Hydra's callback guard: stop before any cell
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+        # an error raised out of the sweep (a launcher giving up on a job) reaches run.py, which closes the sweep
+        # (parent.launcher_failed), instead of Hydra printing a trace and exiting 1 with the sweep left open
+        os.environ[FULL_ERROR] = "1"
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         if self._old_sigterm is not None:

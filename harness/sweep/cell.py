@@ -28,6 +28,7 @@ from harness.records.results import WRITE_ERROR_TAG, cell_path, read_json, summa
 from harness.run.result import SUCCESS, Result, config_hash
 from harness.sweep import progress, resume
 from harness.sweep.isolated import fault_for, finish, run_isolated
+from harness.sweep.launchers import LOCAL_LAUNCHERS, launcher_name
 from harness.sweep.settings import (
     DEFAULT_NAME,
     SweepState,
@@ -74,19 +75,19 @@ def distinct_label(folder: Path, label: str, chash: str) -> str:
     return label
 
 
-def _hydra_job() -> tuple[list[str], dict]:
+def _hydra_job() -> tuple[list[str], dict, str]:
     try:
         hc = HydraConfig.get()
-        return list(hc.overrides.task), dict(hc.runtime.choices)
+        return list(hc.overrides.task), dict(hc.runtime.choices), launcher_name(hc.launcher)
     except ValueError:  # not under Hydra (a test calling run_cell directly)
-        return [], {}
+        return [], {}, ""
 
 
 def run_cell(cfg: Any) -> int:
     """One Hydra job of a sweep: resume-or-run the cell in isolation and record it. Returns 0 if OK."""
     config = to_plain(cfg)
     config.pop("hydra", None)
-    overrides, choices = _hydra_job()
+    overrides, choices, launcher = _hydra_job()
     state = find_state(config)
     if state is None:  # no callback ran (hydra.callbacks cleared): a standalone sweep without parent run
         folder = sweep_folder(config)
@@ -119,14 +120,18 @@ def run_cell(cfg: Any) -> int:
                 return 0
             rerun_why = "; ".join(why)
             progress.say(f"[rerun] {label}: the OK result for config {chash} is not reused: {rerun_why}")
-        result = run_isolated(config, settings, fault_for(config))
+        # cells on this machine (unknown launcher: a direct call, here too) take turns measuring
+        result = run_isolated(config, settings, fault_for(config), exclusive=launcher in LOCAL_LAUNCHERS + ("",))
     except QuantbenchError as exc:
         skipped = isinstance(exc, Unsupported)  # cannot run on this machine: recorded SKIPPED, the sweep goes on
         result = finish(Result(status="SKIPPED" if skipped else "FAILED", config=config, error=str(exc),
                                traceback="" if skipped else traceback.format_exc(),
                                tags=env.failure_tags(exp)), config, time.time())
     except Exception as exc:  # noqa: BLE001 - a bug in a preflight must not lose the cell (nor stop the sweep)
-        result = finish(Result(status="FAILED", config=config, error=f"{type(exc).__name__}: {exc}",
+        why = f"{type(exc).__name__}: {exc}"
+        if type(exc).__module__.startswith("submitit"):  # its signal before the job limit, raised in this job
+            why += " (the launcher's job limit ended the cell: raise hydra.launcher.timeout_min)"
+        result = finish(Result(status="FAILED", config=config, error=why,
                                traceback=traceback.format_exc(), tags=env.failure_tags(exp)), config, time.time())
     except KeyboardInterrupt as exc:
         result = finish(Result(status="KILLED", config=config,
@@ -137,6 +142,8 @@ def run_cell(cfg: Any) -> int:
         raise  # run.py catches it, calls abort() (report + parent run KILLED) and exits 130/143
     if key:
         result.tags[resume.KEY_TAG] = json.dumps(key)
+    if launcher:
+        result.tags["sweep.launcher"] = launcher
     if rerun_why:
         result.tags[resume.RERUN_TAG] = rerun_why
     written = record_cell(result, path, state, label, choices, previous, tcfg)

@@ -9,6 +9,8 @@ once its imports are done (the cell's timeout starts then) and sends its Result 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import multiprocessing
@@ -17,16 +19,21 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from multiprocessing import forkserver
 from typing import Any
 
 import psutil
 
 from harness import quiet_third_party
+from harness.cache import cache_root
 from harness.errors import QuantbenchError
 from harness.run import runner
 from harness.run.result import Result, config_hash
+from harness.sweep import progress
 from harness.sweep.settings import FAULT_ENV, FAULTS, PRELOAD, SweepSettings
+
+MEASURE_LOCK = "measure.lock"  # under the cache root (one per host): held while a cell's child runs
 
 
 def fault_for(config: dict) -> str:
@@ -155,12 +162,45 @@ def finish(result: Result, config: dict, started: float) -> Result:
     return result
 
 
-def run_isolated(config: dict, settings: SweepSettings, fault: str = "") -> Result:
+@contextlib.contextmanager
+def measuring_turn(exclusive: bool = True) -> Iterator[None]:
+    """Hold this host's measuring lock (`<cache root>/measure.lock`) while a cell's child runs, when `exclusive`.
+
+    Cells started on this machine measure one at a time whatever started them: submitit_local launches every
+    cell at once, and two sweeps may run side by side; cells sharing the cores would record each other's load
+    (a smoke sweep read 50 tok/s instead of 958). The child's imports wait too (they load the cores). The
+    kernel drops the lock when its holder dies, SIGKILL included, so it is never stale."""
+    if not exclusive:  # cells on nodes of their own (SLURM): a lock in a shared home would serialize the cluster
+        yield
+        return
+    fd = os.open(cache_root() / MEASURE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # O_CLOEXEC: children never hold it
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace") or "?"
+            progress.say(f"[wait] another cell on this machine is measuring ({holder}); this one starts after it "
+                         "(its timeout counts from then)")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def run_isolated(config: dict, settings: SweepSettings, fault: str = "", exclusive: bool = True) -> Result:
     """Run one cell in a child process of its own; classify how it ended. Never raises (but re-raises
     KeyboardInterrupt after killing the child, so an interrupted sweep can record and stop).
 
-    Metrics `cell_start_s` (until the child is ready: fork or interpreter start and imports) and
-    `cell_wall_s` (the whole cell as the sweep sees it) are added to a result the child returns."""
+    `exclusive`: wait for this host's other cells first (`measuring_turn`); the wait is not part of the cell's
+    timeouts nor of its metrics. Metrics `cell_start_s` (until the child is ready: fork or interpreter start and
+    imports) and `cell_wall_s` (the whole cell as the sweep sees it) are added to a result the child returns."""
+    with measuring_turn(exclusive):
+        return _run_child(config, settings, fault)
+
+
+def _run_child(config: dict, settings: SweepSettings, fault: str) -> Result:
     ctx = mp_context(settings.start_method)  # one process per cell: no CUDA/thread state or leaks shared
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=child_main, args=(config, send, fault, os.getpid(), dict(os.environ), os.getcwd()),
@@ -192,7 +232,7 @@ def run_isolated(config: dict, settings: SweepSettings, fault: str = "") -> Resu
                                 error=f"cell exceeded {key}={limit:g}s and was killed; raise {key} or make "
                                       "the cell smaller")
                 return finish(result, config, started)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, or a launcher's job limit signalled in this job: the child must not run on
         _kill_group(proc)
         raise
     finally:

@@ -138,13 +138,13 @@ def start_sweep(config_with_hydra: Any) -> SweepState:
     return state
 
 
-def finish_sweep(state: SweepState, interrupted: bool = False) -> int:
+def finish_sweep(state: SweepState, interrupted: bool = False, probe: bool = True) -> int:
     """Close a sweep (on_multirun_end, or an interruption): drift probe, report, parent run, exit code."""
     progress.stop()
     folder = Path(state.folder)
     cells = invocation_cells(folder, state.invocation)
     probes: list[dict] = []
-    if not interrupted:  # an interruption during the probes comes back here through abort() (_OPEN still set)
+    if not interrupted and probe:  # an interruption during the probes comes back here through abort() (_OPEN set)
         probes = drift.run_probes(cells, sweep_baseline(cells), settings_from({"sweep": state.sweep}), folder,
                                   state.invocation)
     _OPEN.pop("state", None)
@@ -201,6 +201,23 @@ def why_nothing(cells: list[dict]) -> str:
         f"no cell OK ({', '.join(statuses)})"
     shown = " | ".join(reasons[:3]) + (f" | {len(reasons) - 3} more reasons" if len(reasons) > 3 else "")
     return what + (f" ({shown})" if shown else "")
+
+
+def launcher_failed(exc: Exception) -> str | None:
+    """After an error raised out of Hydra's sweep (the callback's on_multirun_end never ran): close the open sweep
+    as it stands (report and sweep.json; no drift probe; cells not recorded count as never reported, status FAILED).
+    Returns one line when the launcher gave up on a job (submitit's UncompletedJobError at its job limit), None for
+    another error (the caller re-raises it) or when no sweep is open."""
+    state = _OPEN.get("state")
+    if state is None:
+        return None
+    finish_sweep(state, probe=False)
+    if not type(exc).__module__.startswith("submitit"):
+        return None
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return (f"the launcher stopped the sweep ({type(exc).__name__}: {first}); the sweep was closed with the cells "
+            "recorded so far, and jobs still running go on recording theirs: rerun the sweep to resume (raise "
+            "hydra.launcher.timeout_min if a job hit it)")
 
 
 def abort() -> None:
