@@ -29,7 +29,7 @@ from harness import cgroup
 from harness.analysis import corpus, task_accuracy, tasks
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.load.config import LoadConfig, SloConfig, conflicts
-from harness.measure.workloads import context_length, source_problems
+from harness.measure.workloads import context_length, no_decode_problem, source_problems
 from harness.options import CONF_DIR, instantiate_option, options
 from harness.schema import (
     COMPILE_BACKENDS,
@@ -362,6 +362,7 @@ def build(cfg: DictConfig | dict, cores: int | None = None) -> Experiment:
     problems += cross_problems(parts, measure or unchecked(MeasureConfig, plain.get("measure")),
                                accuracy or unchecked(AccuracyConfig, plain.get("accuracy")), checked)
     problems += conflicts(load, parts, measure) + own  # settings a load run would not read (harness/load/)
+    problems += [p for p in [measure is not None and no_decode_problem(measure, load)] if p]  # refused, not FAILED
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)))  # a bad value a cross-check trips over too: said once
     return Experiment(measure=measure, accuracy=accuracy, tracking=tracking, load=load,

@@ -159,7 +159,7 @@ def test_hf_model_refuses_directory_without_safetensors(compose, tmp_path):
     (["quantizer._target_=os.system"], "quantizer._target_='os.system' is not allowed: a _target_ must name a class"),
     (["quantizer._target_=builtins.eval"], "quantizer._target_='builtins.eval' is not allowed"),
     (["strategy._target_=subprocess.Popen"], "strategy._target_='subprocess.Popen' is not allowed"),
-    (["-m", "quantizer=bf16,fp32", "measure.max_new_tokens=1,0"], "sweep cell quantizer=bf16,measure.max_new_tokens=0"),
+    (["-m", "quantizer=bf16,fp32", "measure.max_new_tokens=2,0"], "sweep cell quantizer=bf16,measure.max_new_tokens=0"),
 ])
 def test_run_py_prints_one_error_line_and_exits_2(args, expected, tmp_path):
     results = tmp_path / "results"
@@ -183,6 +183,12 @@ def test_run_py_prints_one_error_line_and_exits_2(args, expected, tmp_path):
     (["+experiment=quant_sweep", "measure.max_new_tokens=0"], "sweep cell quantizer=none,strategy=greedy: "
                                                                "measure.max_new_tokens=0 must be > 0"),
     (["-m", "model=tiny_random", "measure.seed=0,1", "accuracy.corpus=/no/such.txt"], "no such file"),
+    # config-only mistakes: refused before the run, not recorded FAILED (nor one FAILED cell of a sweep)
+    (["model=tiny_random", "measure.max_new_tokens=1"], "no decode phase (zero decode tokens): measure.max_new_tokens=1"),
+    (["-m", "model=tiny_random", "measure.max_new_tokens=1,2"], "sweep cell measure.max_new_tokens=1: no decode phase"),
+    (["strategy=continuous_batch", "measure.compile=true"],
+     "measure.compile=true compiles the decode step of strategies/decode.py, and strategy ContinuousBatch runs its own"),
+    (["strategy=continuous_batch", "measure.path=compiled"], "measure.path=compiled compiles the decode step"),
     (["-m", "quantizer=gptq_int4,bf16", "quantizer.calibration_samples=2"],  # a key only some swept options have
      "sweep cell quantizer=bf16: quantizer.calibration_samples (Dtype) is not a known key"),
 ])

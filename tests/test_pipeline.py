@@ -27,7 +27,8 @@ def test_max_new_tokens_1_ends_failed_in_one_line_before_anything_loads(compose,
     res = runner.run(compose([*FAST, *NO_ACC, "measure.max_new_tokens=1", *results_overrides,
                               "tracking.enabled=false"]))
     assert res.status == "FAILED" and "\n" not in res.error
-    assert res.error.startswith("no decode phase: measure.max_new_tokens=1") and "use measure.max_new_tokens >= 2" \
+    assert res.error.startswith("no decode phase (zero decode tokens): measure.max_new_tokens=1") \
+        and "use measure.max_new_tokens >= 2" \
         in res.error
     assert not res.metrics
 
@@ -100,12 +101,11 @@ def test_pipeline_pieces_measure_what_run_measures(compose, results_overrides):
     assert pipe.session is None
 
 
-def test_preflight_refuses_before_loading(compose):
-    exp = build(compose([*FAST, *NO_ACC, "measure.max_new_tokens=1"]))
-    pipe = Pipeline(exp, "cpu")
-    with pytest.raises(QuantbenchError, match="no decode phase"):
-        pipe.preflight()
-    assert pipe.session is None and pipe.tokenizer is None
+def test_a_config_without_decode_phase_is_refused_by_its_build(compose):
+    with pytest.raises(QuantbenchError, match="no decode phase"):  # before any Pipeline: run.py's precheck says it
+        build(compose([*FAST, *NO_ACC, "measure.max_new_tokens=1"]))
+    build(compose(["model=tiny_random", "measure.max_new_tokens=1", "load.profile=rates", "load.rates=[1]"]))  # a load
+    # run sends its own lengths to a target: it has no decode phase of the pipeline's to refuse
 
 
 @pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python extra not installed (scripts/setup.sh --all)")

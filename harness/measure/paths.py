@@ -126,6 +126,10 @@ def eager_reason(measure: Any, strategy: Any) -> str:
 def check(measure: Any, strategy: Any) -> None:
     """Config-time refusals, in one line: contradictory decode settings, and compile settings a run cannot read."""
     path, compile_, cache = measure.path, measure.compile, measure.cache
+    if strategy is not None and not strategy.stepwise and (compile_ is True or path in ("compiled", "freezing")):
+        asked = "measure.compile=true" if compile_ is True else f"measure.path={path}"
+        raise QuantbenchError(f"{asked} compiles the decode step of strategies/decode.py, and strategy "
+                              f"{strategy.name} runs its own loop; drop {asked.split('=')[0]} or use strategy=greedy")
     if path == "eager" and compile_ is True:
         raise QuantbenchError("measure.path=eager and measure.compile=true contradict each other: use "
                               "measure.path=compiled (or measure.path=freezing), or drop measure.compile")

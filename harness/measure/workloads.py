@@ -142,6 +142,29 @@ def _fits(ctx: int, depth: int, lengths: list[int], limits: list[int], src: Sour
 
 
 # --------------------------------------------------------------------------------------------- resolve
+def prefill_only(kind: str, limits: list[int]) -> bool:
+    """A synthetic workload of one new token per prompt measures the prefill alone (conf/workload/pp512.yaml)."""
+    return kind == "synthetic" and max(limits) == 1
+
+
+def no_decode_problem(m: Any, load: Any = None) -> str:
+    """Why a run could time no decode step, from the config alone ('' when it can). A load run (load.enabled) sends
+    its own lengths to a target: not the pipeline's decode. Checked at build (harness/config.py), so a sweep of
+    measure.max_new_tokens=1,2 is refused in one line before any cell instead of recording a FAILED one."""
+    if getattr(load, "enabled", False):
+        return ""
+    try:
+        src = parse(str(m.prompts))
+    except QuantbenchError:  # reported by the prompts' own check
+        return ""
+    limits = [lim or m.max_new_tokens for lim in src.limits] or [m.max_new_tokens]
+    if max(limits) > 1 or prefill_only(src.kind, limits):
+        return ""
+    return (f"no decode phase (zero decode tokens): measure.max_new_tokens={m.max_new_tokens} (with measure.prompts="
+            f"{m.prompts}) leaves only the prefill's token, so decode_tokens_per_s has nothing to time; use "
+            "measure.max_new_tokens >= 2 (for the prefill alone, use synthetic prompts: +workload=pp512)")
+
+
 @dataclass
 class Workload:
     """The ids a run feeds the model, with their per-prompt lengths and the depth context."""

@@ -34,7 +34,6 @@ from harness.config import Experiment
 from harness.errors import QuantbenchError
 from harness.measure import Generation, floor, memory, workloads
 from harness.measure.energy import EnergyMeter
-from harness.measure.prompts import parse
 from harness.models import load_tokenizer
 from harness.run.hooks import Outcome, Record
 from strategies.base import DecodeOptions
@@ -54,25 +53,11 @@ def run_name(exp: Experiment | None, config: dict) -> str:
     return f"{exp.model.name}-{exp.quantizer.name}-{exp.strategy.name}".lower()
 
 
-def prefill_only(kind: str, limits: list[int]) -> bool:
-    """A synthetic workload of one new token per prompt measures the prefill alone (conf/workload/pp512.yaml)."""
-    return kind == "synthetic" and max(limits) == 1
-
-
 def headline(workload: workloads.Workload) -> str:
     """The metric a run exists to measure: decode tokens/s, or prompt tokens/s for a prefill-only workload."""
-    return PREFILL_HEADLINE if prefill_only(workload.kind, workload.limits) else HEADLINE
+    return PREFILL_HEADLINE if workloads.prefill_only(workload.kind, workload.limits) else HEADLINE
 
 
-def no_decode_problem(m: Any) -> str:
-    """Why a run could time no decode step, from the config alone ('' when it can)."""
-    src = parse(str(m.prompts))
-    limits = [lim or m.max_new_tokens for lim in src.limits] or [m.max_new_tokens]
-    if max(limits) > 1 or prefill_only(src.kind, limits):
-        return ""
-    return (f"no decode phase: measure.max_new_tokens={m.max_new_tokens} (with measure.prompts={m.prompts}) leaves "
-            "only the prefill's token, so decode_tokens_per_s has nothing to time; use measure.max_new_tokens >= 2 "
-            "(for the prefill alone, use synthetic prompts: +workload=pp512)")
 
 
 def headline_problem(name: str, metrics: dict, gens: list[Generation], m: Any) -> str:
@@ -112,9 +97,7 @@ class Pipeline:
     # ------------------------------------------------------------------------------------------- phases
     def preflight(self) -> None:
         """Cheap checks (files, libraries, device, corpus, memory); raises before anything loads."""
-        exp = self.exp
-        if problem := no_decode_problem(exp.measure):
-            raise QuantbenchError(problem)
+        exp = self.exp  # a config with no decode phase was refused by its build (workloads.no_decode_problem)
         exp.engine.preflight(exp, self.device)
         exp.accuracy.preflight()  # the corpus is read after the timing: check now that it can be
         self.estimate = memory.check(exp, self.device)  # DoesNotFit before loading
