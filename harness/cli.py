@@ -17,8 +17,8 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from harness.config import build, register_configs
-from harness.errors import QuantbenchError
+from harness.config import Experiment, build, register_configs
+from harness.errors import QuantbenchError, Unsupported
 from harness.measure import memory
 from harness.options import CONF_DIR as CONF
 from harness.options import KINDS, unknown_key
@@ -139,20 +139,28 @@ def validate(overrides: list[str], cores: int | None = None) -> str | None:
     except Exception as exc:  # noqa: BLE001
         return compose_problem(exc, overrides)
     try:
-        exp = build(cfg, cores)
-        exp.model.preflight()  # a missing file, package or hub model (harness/models/hub.py)
-        exp.accuracy.preflight()  # a corpus that cannot be read: refused now, not after the timing
+        preflight(build(cfg, cores))
     except QuantbenchError as exc:
         return str(exc)
     return None
+
+
+def preflight(exp: Experiment) -> None:
+    """The checks of input that need no model loaded; raises QuantbenchError. What cannot run on this machine
+    (Unsupported: a CUDA-only draft quantizer) is left to the run, which records it SKIPPED as for the target's."""
+    exp.model.preflight()  # a missing file, package or hub model (harness/models/hub.py)
+    try:
+        exp.strategy.preflight()  # speculative: a missing draft model, or one with another vocabulary
+    except Unsupported:
+        pass
+    exp.accuracy.preflight()  # a corpus that cannot be read: refused now, not after the timing
 
 
 def run_one(cfg: DictConfig) -> int:
     """Validate, run, record one experiment. Returns the exit code."""
     try:
         exp = build(cfg)  # every config problem, at once, before anything heavy
-        exp.model.preflight()
-        exp.accuracy.preflight()
+        preflight(exp)
     except QuantbenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

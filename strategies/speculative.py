@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -151,6 +152,18 @@ def tie_note(model: Any, prompt: list[int], want: list[int], at: int) -> str:
     return f"the target's top-2 logits there differ by {gap:.4f}: not a rounding tie, the verify loop is wrong"
 
 
+def as_draft(exc: QuantbenchError) -> QuantbenchError:
+    """A model's error about the draft model: its messages name `model.<key>`, the key is strategy.draft_model's."""
+    def fix(line: str) -> str:
+        return re.sub(r"(?<![\w.])model\.", "strategy.draft_model.", line)
+    if isinstance(exc, ConfigError):
+        return ConfigError([fix(p) for p in exc.problems])
+    try:
+        return type(exc)(fix(str(exc)))  # Unsupported stays Unsupported (a sweep records SKIPPED)
+    except TypeError:
+        return QuantbenchError(fix(str(exc)))
+
+
 def source_vocab(source: Any) -> dict[str, int]:
     """Token -> id map of a model source, read from tokenizer files (no model weights are loaded)."""
     gguf = source.gguf_path
@@ -228,7 +241,10 @@ class Speculative(Strategy):
         if self.draft != "model":
             return  # prompt lookup: no draft model, the draft quantizer is unused
         if self.draft_model is not None:
-            self.draft_model.preflight()
+            try:
+                self.draft_model.preflight()
+            except QuantbenchError as exc:
+                raise as_draft(exc) from None
             if self._target_source is not None:
                 target, draft = source_vocab(self._target_source), source_vocab(self.draft_model)
                 if target != draft:

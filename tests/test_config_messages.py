@@ -51,6 +51,15 @@ def test_a_name_where_a_nested_option_goes_says_how_to_pick_it(compose, override
     assert len(found) == 1 and expected in found[0], found
 
 
+def test_a_missing_draft_model_is_refused_before_the_run_naming_its_own_key(compose, capsys):
+    argv = ["model=tiny_random", "strategy=speculative", "+model@strategy.draft_model=hf",
+            "strategy.draft_model.name_or_path=/no/such"]
+    # was: precheck passed, then "[FAILED] ... model.name_or_path='/no/such': no such directory" (the target's key)
+    assert precheck(argv) == "strategy.draft_model.name_or_path='/no/such': no such directory"
+    assert run_one(compose(argv)) == 2
+    assert capsys.readouterr().err == "error: strategy.draft_model.name_or_path='/no/such': no such directory\n"
+
+
 def test_the_memory_refusal_leaves_an_unexpected_error_to_the_run():
     def broken(exp, device):
         raise AttributeError("'str' object has no attribute 'preflight'")

@@ -11,6 +11,7 @@ import torch
 from conftest import FAST
 
 from harness.analysis.roofline import mean_context
+from harness.cli import precheck
 from harness.config import build
 from harness.errors import QuantbenchError
 from harness.models import TinyRandom, byte_tokenizer, load_pretrained
@@ -117,6 +118,9 @@ def test_mismatched_draft_tokenizer_is_rejected_before_loading(compose, tmp_path
     exp = build(cfg)
     with pytest.raises(QuantbenchError, match="different tokenizer"):
         exp.strategy.preflight()
+    problem = precheck([*FAST, "strategy=speculative", "+model@strategy.draft_model=hf",  # run.py: exit 2, no run
+                        f"strategy.draft_model.name_or_path={bad}"])
+    assert problem and "different tokenizer" in problem and "\n" not in problem
     result = runner.run(compose([*FAST, "strategy=speculative", "+model@strategy.draft_model=hf",
                                  f"strategy.draft_model.name_or_path={bad}", "accuracy.enabled=false",
                                  "tracking.enabled=false", f"tracking.results_dir={tmp_path}"]))
