@@ -90,7 +90,7 @@ def precheck(argv: list[str]) -> str | None:
     except Exception as exc:  # noqa: BLE001 - every composition error becomes one line
         if not sweeps:
             return compose_problem(exc, base)
-        # a key of a swept group's options (quantizer=rtn_int4,gptq_int4 quantizer.calibration_samples=2) needs
+        # a key of a swept group's options (quantizer=rtn_int4,gptq_int4 ++quantizer.calibration_samples=2) needs
         # one of the swept choices to compose: take each sweep's first value; every cell is validated below
         firsts = [f"{p.get_key_element()}={next(iter(p.sweep_string_iterator()))}" for p in parsed
                   if p.is_sweep_override()]
@@ -98,6 +98,8 @@ def precheck(argv: list[str]) -> str | None:
             cfg = _compose(base + firsts, hydra=True)
         except Exception:  # noqa: BLE001
             return compose_problem(exc, base)
+        if (plain := not_in_base(exc, base)):  # a swept option's key, but written without ++: Hydra would fail
+            return plain
     multirun = any(a in HYDRA_RUN_FLAGS for a in argv) or str(cfg.hydra.mode) == "RunMode.MULTIRUN"
     if sweeps and not multirun:
         return (f"{sweeps[0]!r} lists several values: add -m (--multirun) to sweep them, or write key=[a,b] for a "
@@ -120,6 +122,24 @@ def precheck(argv: list[str]) -> str | None:
         return time_limit_problem(cfg.hydra.launcher, settings.timeout_s, settings.startup_timeout_s,
                                   len(planned or []) or 1)
     return None
+
+
+def not_in_base(exc: BaseException, base: list[str]) -> str | None:
+    """One line when a plain override (no + or ++) names a key the sweep's base config lacks: Hydra composes that
+    config (the groups' defaults, no swept value) before any cell, and fails there in several lines. `++` adds the
+    key there and sets it in every cell; None for any other error (the caller tries the swept choices)."""
+    key = getattr(exc.__cause__ or exc, "full_key", None)
+    culprit = next((o for o in base if "=" in o and o.split("=", 1)[0] == key), None)  # as typed: no + in front
+    section = str(key).split(".")[0]
+    if culprit is None or section not in GROUPS:
+        return None
+    value = culprit.split("=", 1)[1]
+    try:
+        choice = _compose([o for o in base if o != culprit], hydra=True).hydra.runtime.choices.get(section)
+    except Exception:  # noqa: BLE001 - only names the base option
+        choice = None
+    where = f" ({section}={choice})" if choice else ""
+    return f"{key} is not in the sweep's base config{where}; write ++{key}={value}"
 
 
 def launcher_cores(launcher: DictConfig) -> int | None:

@@ -189,8 +189,15 @@ def test_run_py_prints_one_error_line_and_exits_2(args, expected, tmp_path):
     (["strategy=continuous_batch", "measure.compile=true"],
      "measure.compile=true compiles the decode step of strategies/decode.py, and strategy ContinuousBatch runs its own"),
     (["strategy=continuous_batch", "measure.path=compiled"], "measure.path=compiled compiles the decode step"),
-    (["-m", "quantizer=gptq_int4,bf16", "quantizer.calibration_samples=2"],  # a key only some swept options have
+    (["-m", "quantizer=gptq_int4,bf16", "++quantizer.calibration_samples=2"],  # a key only some swept options have
      "sweep cell quantizer=bf16: quantizer.calibration_samples (Dtype) is not a known key"),
+    # a swept options' key written plainly: Hydra composes the sweep's base config (quantizer=none) first and fails
+    # there in several lines (exit 1); ++ adds it there
+    (["+experiment=quant_sweep", "accuracy.tasks=[]", "quantizer=rtn_int4,gptq_int4", "quantizer.calibration_samples=8"],
+     "quantizer.calibration_samples is not in the sweep's base config (quantizer=none); write "
+     "++quantizer.calibration_samples=8"),
+    (["-m", "quantizer=rtn_int4,gptq_int4", "quantizer.calibration_samples=8"],
+     "quantizer.calibration_samples is not in the sweep's base config (quantizer=none); write ++"),
 ])
 def test_precheck_names_the_key_in_one_line(argv, expected):
     from harness.cli import precheck
@@ -204,7 +211,7 @@ def test_precheck_passes_good_commands_and_leaves_hydra_flags_to_hydra():
 
     for argv in ([], ["strategy=speculative"], ["-m", "model=tiny_random", "quantizer=bf16,fp32"],
                  ["+experiment=quant_sweep"], ["--cfg", "job", "measure.threads=abc"],
-                 ["+experiment=quant_sweep", "quantizer=rtn_int4,gptq_int4", "quantizer.calibration_samples=2"]):
+                 ["+experiment=quant_sweep", "quantizer=rtn_int4,gptq_int4", "++quantizer.calibration_samples=2"]):
         assert precheck(argv) is None, argv
 
 
