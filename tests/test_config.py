@@ -211,7 +211,8 @@ def test_precheck_passes_good_commands_and_leaves_hydra_flags_to_hydra():
 
     for argv in ([], ["strategy=speculative"], ["-m", "model=tiny_random", "quantizer=bf16,fp32"],
                  ["+experiment=quant_sweep"], ["--cfg", "job", "measure.threads=abc"],
-                 ["+experiment=quant_sweep", "quantizer=rtn_int4,gptq_int4", "++quantizer.calibration_samples=2"]):
+                 ["+experiment=quant_sweep", "quantizer=rtn_int4,gptq_int4", "++quantizer.calibration_samples=2"],
+                 ["-m", "quantizer=none,bf16", "sweep.start_method=spawn"]):  # documented without +
         assert precheck(argv) is None, argv
 
 
