@@ -142,6 +142,41 @@ def test_a_done_cell_is_reused_only_for_the_same_code_cpu_and_versions(compose, 
     assert _cell(state)["started"] > third["started"]
 
 
+def test_a_speculative_drafts_library_is_part_of_the_key(compose, state, tmp_path, monkeypatch):
+    """A torchao upgrade changes a cell whose draft is torchao_int8 (the target's quantizer is torch's own)."""
+    import harness.sweep.cell as cell
+
+    def no_child(config, settings, fault="", exclusive=True):  # the key is made before the child: no run needed
+        return Result(status="OK", config=config, started=time.time(), ended=time.time())
+
+    monkeypatch.setattr(cell, "run_isolated", no_child)
+    cfg = compose([*TINY, "strategy=speculative", "quantizer@strategy.draft_quantizer=torchao_int8",
+                   f"tracking.results_dir={tmp_path}", "tracking.enabled=false"])
+    assert run_cell(cfg) == 0
+    key = json.loads(_cell(state)["tags"][resume.KEY_TAG])
+    assert key["torchao"] not in ("", resume.UNKNOWN) and "gpu" not in key  # a CPU cell: no GPU part
+
+
+def test_a_cuda_cells_key_names_its_gpu_model(monkeypatch):
+    from quantizers.dtype import Dtype
+
+    calls = []
+
+    def smi(argv, **kwargs):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="NVIDIA H100 80GB HBM3\n", stderr="")
+
+    monkeypatch.setattr(resume.subprocess, "run", smi)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
+    key = resume.cell_key("abc", Dtype(), cuda=True)
+    assert key["gpu"] == "NVIDIA H100 80GB HBM3" and calls[0][:3] == ["nvidia-smi", "-i", "3"]
+    assert "gpu" not in resume.cell_key("abc", Dtype())
+    why = resume.differences({resume.KEY_TAG: json.dumps({**key, "gpu": "NVIDIA H200"})}, key)
+    assert why == ["gpu differs (stored NVIDIA H200, now NVIDIA H100 80GB HBM3)"]  # same CPU, another GPU: rerun
+    monkeypatch.setattr(resume.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("smi")))
+    assert resume.cell_key("abc", Dtype(), cuda=True)["gpu"] == resume.UNKNOWN  # no nvidia-smi: never reused
+
+
 # ------------------------------------------------------------------------------------ exit codes (item 2)
 def test_a_sweep_in_which_nothing_ran_exits_1_with_one_line(tmp_path, capsys):
     """All cells SKIPPED (measure.device=cuda on a CPU machine): nothing was measured, so exit 1."""

@@ -110,9 +110,12 @@ def run_cell(cfg: Any) -> int:
         settings = settings_from(config)
         exp = build(config)  # a config error fails the cell here, in a second, with no child at all
         exp.model.preflight()
-        exp.quantizer.preflight(resolve_device(exp.measure.device))  # "needs CUDA" here: SKIPPED, no child started
-        key = resume.cell_key(state.code, exp.quantizer, exp.engine.name,  # code, CPU, threads, library versions
-                              exp.measure.threads)
+        device = resolve_device(exp.measure.device)
+        exp.quantizer.preflight(device)  # "needs CUDA" here: SKIPPED, no child started
+        exp.strategy.preflight()  # a draft's quantizer too (its library is part of the key)
+        side = exp.strategy.side_model()
+        key = resume.cell_key(state.code, exp.quantizer, exp.engine.name,  # code, CPU (GPU), threads, libraries
+                              exp.measure.threads, side[1] if side else None, device.startswith("cuda"))
         if settings.resume and previous and previous.get("status") == "OK":
             why = resume.differences(previous.get("tags") or {}, key)
             if not why:

@@ -2,9 +2,9 @@
 
 Resume key. A resumed sweep reuses a cell's OK result only when everything that decides its numbers is
 the same as now, besides the config hash: the code as it ran (`code_version`: the commit plus a hash of
-the uncommitted diff of tracked files and of untracked .py files), the CPU (model and instruction set),
-and the versions of torch, of the quantizer's library and of the engine's (transformers or
-llama-cpp-python). The key is stored on the result (tag `resume.key`, JSON) by the sweep that recorded
+the uncommitted diff of tracked files and of untracked .py files), the CPU (model and instruction set), the
+GPU model for a CUDA cell, and the versions of torch, of the quantizer's library (and of a speculative
+draft's quantizer) and of the engine's (transformers or llama-cpp-python). The key is stored on the result (tag `resume.key`, JSON) by the sweep that recorded
 it; a result without one, or a part that is `unknown` on either side, is never reused. `differences`
 names what differs, so the sweep can say why it reruns.
 
@@ -116,12 +116,33 @@ def library_versions(quantizer: Any) -> dict[str, str]:
     return out
 
 
-def cell_key(code: str, quantizer: Any, engine: str = "", threads: int = 0) -> dict[str, str]:
+def gpu_key(visible: str | None = None) -> str:
+    """'NVIDIA H100 80GB HBM3': the model of the CUDA device a cell runs on (the first of $CUDA_VISIBLE_DEVICES), from
+    nvidia-smi: the sweep process creates no CUDA context (it would hold GPU memory beside every cell's)."""
+    ident = (os.environ.get("CUDA_VISIBLE_DEVICES", "") if visible is None else visible).split(",")[0].strip()
+    try:
+        done = subprocess.run(["nvidia-smi", "-i", ident or "0", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return UNKNOWN
+    names = done.stdout.strip().splitlines()
+    return names[0].strip() if done.returncode == 0 and names and names[0].strip() else UNKNOWN
+
+
+def cell_key(code: str, quantizer: Any, engine: str = "", threads: int = 0, draft_quantizer: Any = None,
+             cuda: bool = False) -> dict[str, str]:
     """The resume key of a cell run now, with `code` the sweep's `code_version()`, `engine` its name and `threads`
     its measure.threads (0: the cores this process may use now, capped by a cgroup CPU quota as set_threads caps it,
-    so `taskset` changes the key too)."""
+    so `taskset` changes the key too). `draft_quantizer`: the quantizer of a model the strategy loads beside the
+    target (a speculative draft), whose library decides numbers too; `cuda`: the cell runs on a GPU, whose model
+    (part `gpu`) decides them more than the host's CPU does."""
     key = {"code": code or UNKNOWN, "cpu": cpu_key(), "threads": str(threads or cgroup.usable_cpus()),
            **library_versions(quantizer)}
+    if cuda:
+        key["gpu"] = gpu_key()
+    if draft_quantizer is not None:
+        for library, version in library_versions(draft_quantizer).items():
+            key.setdefault(library, version)
     if engine in ENGINE_LIBRARIES:
         dist = ENGINE_LIBRARIES[engine]
         key.setdefault(dist, _dist_version(dist, dist.replace("_", "-")))
