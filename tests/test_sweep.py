@@ -365,6 +365,12 @@ def test_cell_names_and_planned_cells(compose):
     assert cell_label(["quantizer=bf16", "+experiment=smoke", "measure.seed=1"], ("quantizer", "measure.seed")) \
         == "quantizer=bf16,measure.seed=1"
     assert cell_label(["+experiment=smoke", "quantizer=bf16"], ()) == "quantizer=bf16"
+    # a sweep of one cell (planned, nothing varies), or cells not known in advance: never where results go
+    one = ["quantizer=none", "+sweep.start_method=spawn", "model=tiny_random", "tracking.results_dir=/tmp/r",
+           "tracking.uri=sqlite:////tmp/r/mlflow.db", "hydra.sweep.dir=/tmp/r/sw"]
+    assert cell_label(one, (), planned=True) == "default"
+    unknown = cell_label(one, ())
+    assert "tracking." not in unknown and "hydra." not in unknown and unknown.startswith("quantizer=none,")
 
 
 def test_a_cell_name_an_earlier_invocation_gave_another_config_gets_its_hash(tmp_path):

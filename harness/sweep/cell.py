@@ -97,7 +97,7 @@ def run_cell(cfg: Any) -> int:
         log.warning("no sweep state found (is harness.sweep.callback.SweepCallback in hydra.callbacks?); cells "
                     "are recorded without an MLflow parent run")
     chash = config_hash(config)
-    label = distinct_label(Path(state.folder), cell_label(overrides, state.varying), chash)
+    label = distinct_label(Path(state.folder), cell_label(overrides, state.varying, state.planned > 0), chash)
     path = cell_path(Path(state.folder), chash)
     append_manifest(state, chash, label)
     tcfg = state.tcfg

@@ -166,10 +166,13 @@ def varying_keys(cells: list[list[str]]) -> tuple[str, ...]:
     return tuple(k for k in order if len(values[k]) > 1)
 
 
-def cell_label(task_overrides: list[str], varying: tuple[str, ...]) -> str:
-    """A cell's name: its values of the keys the sweep varies (all its overrides when unknown)."""
-    chosen = [ov for ov in task_overrides if ov.partition("=")[0] in varying] if varying else \
-        [ov for ov in task_overrides if not ov.lstrip("+~").startswith(("experiment=", "hydra."))]
+def cell_label(task_overrides: list[str], varying: tuple[str, ...], planned: bool = False) -> str:
+    """A cell's name (terminal lines, MLflow run name): its values of the keys the sweep varies; "default" when the
+    cells are `planned` (known) and none varies (a sweep of one cell); all its overrides when they are unknown (a
+    sweeper other than the basic one). Never the experiment, tracking.* or hydra.*: where results go, not what
+    was measured (a one-cell sweep was named `...,tracking.uri=sqlite\\:////tmp/...`)."""
+    kept = [ov for ov in task_overrides if not ov.lstrip("+~").startswith(("experiment=", "hydra.", "tracking."))]
+    chosen = [ov for ov in kept if ov.partition("=")[0] in varying] if varying or planned else kept
     return ",".join(chosen) or "default"
 
 
