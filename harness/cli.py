@@ -26,7 +26,7 @@ from harness.records import tracking
 from harness.records.results import summary_line
 from harness.run import runner
 from harness.sweep.launchers import LOCAL_LAUNCHERS, launcher_name, time_limit_problem
-from harness.sweep.settings import planned_cells, settings_from
+from harness.sweep.settings import SweepSettings, planned_cells, settings_from
 
 HYDRA_RUN_FLAGS = ("-m", "--multirun")  # other Hydra flags (--help, --cfg, --info, -c ...) skip the precheck
 GROUPS = ("model", "quantizer", "strategy", "engine")
@@ -62,6 +62,8 @@ def compose_problem(exc: BaseException, overrides: list[str]) -> str:
                 return unknown_key(parent, name, node["_target_"], value)
             except Exception:  # noqa: BLE001 - only enriches the message
                 pass
+        if section == "sweep":  # an untyped section in the schema: its keys are SweepSettings'
+            allowed = ", ".join(f for f in SweepSettings.__dataclass_fields__ if not f.startswith("_"))
         return f"{key} is not a known key" + (f"; allowed: {allowed}" if allowed else "")
     name = str(key).rsplit(".", 1)[-1]
     if key and isinstance(cause, ValidationError) and name in fields and fields[name] in KINDS:
@@ -114,14 +116,21 @@ def precheck(argv: list[str]) -> str | None:
         if (problem := validate(cell, cores)):
             label = ",".join(o for o in cell if o not in base) or "default"
             return f"sweep cell {label}: {problem}" if len(cells) > 1 else problem
+    try:  # the base config's settings (a sweep over sweep.timeout_s is checked with its default), in a single run too
+        settings = sweep_settings(cfg)
+    except QuantbenchError as exc:
+        return str(exc)
     if multirun:
-        try:  # the base config's settings (a sweep over sweep.timeout_s is checked with its default)
-            settings = settings_from({"sweep": OmegaConf.to_container(cfg.sweep, resolve=True)})
-        except QuantbenchError as exc:
-            return str(exc)
         return time_limit_problem(cfg.hydra.launcher, settings.timeout_s, settings.startup_timeout_s,
                                   len(planned or []) or 1)
     return None
+
+
+def sweep_settings(cfg: DictConfig) -> SweepSettings:
+    """The `sweep:` section, validated (QuantbenchError). A single run does not read it, but a nonsense value there
+    (sweep.timeout_s=true) is refused as a sweep refuses it, not accepted in silence."""
+    node = cfg.get("sweep")
+    return settings_from({"sweep": OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node})
 
 
 def not_in_base(exc: BaseException, base: list[str]) -> str | None:
@@ -181,6 +190,7 @@ def run_one(cfg: DictConfig) -> int:
     try:
         exp = build(cfg)  # every config problem, at once, before anything heavy
         preflight(exp)
+        sweep_settings(cfg)
     except QuantbenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -123,3 +123,23 @@ def test_independent_problems_are_reported_together(compose):
 ])
 def test_a_value_of_the_wrong_type_or_range_names_its_field(compose, overrides, expected):
     assert problems(compose, overrides) == expected
+
+
+# --- the sweep section: refused in a single run as in a sweep (it was only read by -m) -------------------------
+@pytest.mark.parametrize("override, expected", [
+    ("sweep.timeout_s=true", "sweep.timeout_s=True must be a number"),
+    ("sweep.drift_probe=bogus", "sweep.drift_probe='bogus' is not allowed; choose one of: all, baseline, none"),
+    ("+sweep.nosuch=1", "sweep: SweepSettings.__init__() got an unexpected keyword argument 'nosuch'; allowed keys: "
+                        "timeout_s, startup_timeout_s, resume, baseline, start_method, drift_probe, label"),
+    ("sweep.nosuch=1", "sweep.nosuch is not a known key; allowed: timeout_s, startup_timeout_s, resume, baseline, "
+                       "start_method, drift_probe, label"),
+])
+def test_a_bad_sweep_setting_is_refused_in_a_single_run_as_in_a_sweep(compose, capsys, monkeypatch, override,
+                                                                       expected):
+    argv = ["model=tiny_random", override]
+    assert precheck(["-m", *argv]) == expected
+    assert precheck(argv) == expected  # was None: a single run never read the section
+    if not override.startswith("sweep.nosuch"):  # the unknown key without + fails composition itself
+        monkeypatch.setattr("harness.cli.runner.run", lambda cfg: pytest.fail("the run started"))
+        assert run_one(compose(argv)) == 2
+        assert capsys.readouterr().err == f"error: {expected}\n"
