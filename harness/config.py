@@ -105,7 +105,7 @@ class MeasureConfig(Validated):
             if err:
                 p.append(err)
         for name in ("compile", "compile_skip_guards"):
-            if getattr(self, name) not in (True, False, "auto"):
+            if not (isinstance(v := getattr(self, name), bool) or v == "auto"):  # 1 == True: no int passes
                 p.append(f"measure.{name}={getattr(self, name)!r} is not allowed; choose one of: auto, true, false")
         if (err := one_of("measure.compile_mode", self.compile_mode, ("auto", *COMPILE_MODES))):
             p.append(err)

@@ -143,3 +143,18 @@ def test_a_bad_sweep_setting_is_refused_in_a_single_run_as_in_a_sweep(compose, c
         monkeypatch.setattr("harness.cli.runner.run", lambda cfg: pytest.fail("the run started"))
         assert run_one(compose(argv)) == 2
         assert capsys.readouterr().err == f"error: {expected}\n"
+
+
+# --- 0/1 for true/false: OmegaConf converts them for a bool field; an auto|true|false field refuses them ---------
+@pytest.mark.parametrize("override", ["measure.compile=1", "measure.compile=0", "measure.compile_skip_guards=1"])
+def test_an_integer_for_an_auto_true_false_setting_is_refused(compose, override):
+    key, value = override.split("=")
+    # was accepted (1 == True in Python) and then read as neither: `measure.compile is True` checks skipped it
+    expected = f"{key}={value} is not allowed; choose one of: auto, true, false"
+    assert precheck(["model=tiny_random", override]) == expected
+
+
+def test_a_bool_field_takes_0_and_1_as_omegaconf_converts_them(compose):
+    exp = build(compose(["model=tiny_random", "accuracy.enabled=0", "measure.compile_freezing=1",
+                         "measure.path=freezing"]))
+    assert exp.accuracy.enabled is False and exp.measure.compile_freezing is True
