@@ -283,3 +283,65 @@ def test_a_load_run_decodes_as_its_target_whatever_the_row_says(zen4):
     exp = _exp("quantizer=bf16", "load.profile=sweep")  # the 1B row says compiled
     choice = paths.settle(exp, "cpu")
     assert choice.path == "eager" and choice.by.startswith("load.profile=sweep") and exp.measure.compile is False
+
+
+# ------------------------------------------------------- explicit settings this CPU runs slower than its default
+ZEN5 = CpuInfo(vendor="AuthenticAMD", family="26", model="2", model_name="AMD EPYC 9005", flags=ZEN4.flags)
+SAPPHIRE = CpuInfo(vendor="GenuineIntel", family="6", model="143", model_name="Intel Xeon Platinum 8480",
+                   flags=frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_bf16",
+                                    "amx_tile"}))
+
+
+@pytest.mark.parametrize("cpu, overrides, says", [
+    # bf16 emulated (no avx512_bf16/amx_bf16): the 3x prefill of quantizers/dtype.py
+    (ZEN3, ["quantizer=bf16", "quantizer.prefill_matmul=native"], "730 vs 230 ms"),
+    (ZEN3, ["quantizer=none", "quantizer.prefill_matmul=native"], "730 vs 230 ms"),  # none resolves to bf16
+    # fp16 emulated (no avx512_fp16/amx_fp16), bf16 native or not
+    (ZEN4, ["quantizer=fp16", "quantizer.prefill_matmul=native"], "~10x slower than bf16"),
+    (ZEN3, ["quantizer=fp16", "quantizer.prefill_matmul=native"], "~10x slower than bf16"),
+    # rows8 is the one-row default on Zen 4 / Zen 5 (harness/measure/one_row.py GEMV)
+    (ZEN4, ["quantizer=bf16", "measure.gemv=aten"], "rows8 46.8 GB/s vs ATen 39.1 (oneDNN bf16 19)"),
+    (ZEN4, ["quantizer=fp16", "measure.gemv=onednn"], "rows8 46.8 GB/s vs ATen 39.1 (oneDNN bf16 19)"),
+    (ZEN5, ["quantizer=none", "measure.gemv=onednn"], "Zen 4's row (same ISA line, not re-measured on Zen 5)"),
+])
+def test_an_explicit_setting_slower_on_this_cpu_is_one_finding(cpu, overrides, says):
+    (line,) = paths.forced_slow(_exp(*overrides), "cpu", cpu)
+    setting = next(o for o in overrides if not o.startswith("quantizer="))
+    assert line.startswith(f"{setting}: ") and says in line, line
+    assert cpu.isa in line and "docs/" in line and "Drop " in line and ";" not in line and "\n" not in line
+
+
+@pytest.mark.parametrize("cpu, overrides", [
+    # the default, or auto: by definition the fast one
+    (ZEN3, ["quantizer=bf16"]), (ZEN4, ["quantizer=bf16", "measure.gemv=auto", "quantizer.prefill_matmul=auto"]),
+    (ZEN4, ["quantizer=bf16", "measure.gemv=rows8"]), (ZEN3, ["quantizer=bf16", "quantizer.prefill_matmul=fp32"]),
+    # the same override where this CPU does not run it slower
+    (ZEN4, ["quantizer=bf16", "quantizer.prefill_matmul=native"]),  # bf16 native
+    (SAPPHIRE, ["quantizer=fp16", "quantizer.prefill_matmul=native"]),  # AVX512_FP16
+    (ZEN3, ["quantizer=fp32", "quantizer.prefill_matmul=native"]),  # no 16-bit matmul to emulate
+    (ZEN3, ["quantizer=bf16", "measure.gemv=aten"]), (ZEN3, ["quantizer=bf16", "measure.gemv=onednn"]),  # auto: aten
+    (SAPPHIRE, ["quantizer=bf16", "measure.gemv=onednn"]),  # no measured row: onednn is its default
+    (ZEN4, ["quantizer=fp32", "measure.gemv=aten"]),  # rows8 takes 16-bit weights: fp32 has no measured cost
+])
+def test_a_default_or_a_setting_not_slower_here_is_no_finding(cpu, overrides):
+    assert paths.forced_slow(_exp(*overrides), "cpu", cpu) == []
+    assert paths.forced_slow(_exp("quantizer=fp16", "quantizer.prefill_matmul=native"), "cuda", ZEN3) == []
+
+
+def test_settle_warns_and_tags_each_finding_without_refusing_the_run(zen4, caplog):
+    exp = _exp("quantizer=fp16", "quantizer.prefill_matmul=native", "measure.gemv=aten")
+    tag = paths.settle(exp, "cpu").tags()["warning.forced_slow"]
+    assert [part.split(":")[0] for part in tag.split("; ")] == ["quantizer.prefill_matmul=native", "measure.gemv=aten"]
+    assert caplog.text.count("forced slower than this CPU's default") == 2
+    assert "warning.forced_slow" not in paths.settle(_exp("quantizer=fp16"), "cpu").tags()
+
+
+def test_a_run_forced_onto_a_slower_path_carries_the_tag(results_overrides, monkeypatch):
+    monkeypatch.setattr(env, "cpu_info", lambda: ZEN3)  # bf16 emulated: prefill_matmul=native is the slow path
+    result = runner.execute(build(compose(["model=tiny_random", "quantizer=bf16", "quantizer.prefill_matmul=native",
+                                           "measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0",
+                                           "accuracy.enabled=false", "measure.kernel_profile=false",
+                                           *results_overrides])))
+    assert result.status == "OK", result.error
+    assert result.tags["warning.forced_slow"].startswith("quantizer.prefill_matmul=native: bfloat16 is emulated")
+    assert result.tags["quantizer.prefill_matmul"] == "native"  # honoured: the run took the slow path it asked for

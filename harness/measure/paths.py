@@ -28,6 +28,8 @@ is refused in one line. An explicit `measure.compile=false` or `measure.cache=dy
 time (`check`) contradictory settings are refused (`measure.path=eager` with `measure.compile=true`,
 `measure.path=compiled` with `measure.compile_freezing=true`, ...), and so are compile settings on a run that
 surely decodes eager; where only `best` decides eager they are tagged `measure.unused`.
+An explicit setting this CPU, by its flags, runs slower than its default (`forced_slow`: only costs measured in
+the repo) is run as asked, with one warning line each and tag `warning.forced_slow`.
 
 Add a row: measure the paths with benchmarks/cpu_kernels.py on that CPU (`--arch` for a size), then add a
 `Row` with the command, host and numbers in `source`. Rows are matched most specific first (uarch, then
@@ -43,9 +45,10 @@ from typing import Any
 from harness import env
 from harness.errors import QuantbenchError
 from harness.measure import fast_path, memory
-from harness.measure.one_row import gemv_choice
+from harness.measure.one_row import GEMV, gemv_choice
 from harness.schema import COMPILE_ONLY, set_apart
-from quantizers.auto import float_choice
+from quantizers import rows8
+from quantizers.auto import float_choice, native_16bit
 
 log = logging.getLogger("quantbench")
 
@@ -98,10 +101,13 @@ class Choice:
     requested: str
     auto: str = ""  # what measure.compile/cache/compile_mode=auto became (`resolve_auto`)
     unused: str = ""  # compile settings that an eager run does not read (`best` decided eager)
+    forced_slow: str = ""  # explicit settings this CPU is known to run slower than its default (`forced_slow`)
 
     def tags(self) -> dict[str, str]:
         tags = {"measure.path": self.requested, "decode_path": self.path, "decode_path.by": self.by,
                 "kernel.gemv": self.gemv, "kernel.gemv_by": self.gemv_by, "measure.auto": self.auto}
+        if self.forced_slow:
+            tags["warning.forced_slow"] = self.forced_slow
         return {**tags, "measure.unused": self.unused} if self.unused else tags
 
 
@@ -293,8 +299,48 @@ def settle(exp: Any, device: str) -> Choice:
     if m.compile_skip_guards == "auto":
         m.compile_skip_guards = False
     choice.auto = auto
+    slow = forced_slow(exp, device, cpu)
+    for line in slow:  # a legitimate experiment: recorded (tag warning.forced_slow), never refused
+        log.warning("forced slower than this CPU's default: %s", line)
+    choice.forced_slow = "; ".join(slow)
     exp.decode_choice = choice
     return choice
+
+
+# quantizer.prefill_matmul=native where this CPU emulates the 16-bit dot product: (missing flags, measured cost)
+EMULATED_PREFILL = {
+    "bfloat16": ("avx512_bf16/amx_bf16", "oneDNN's emulated bf16 GEMM makes prefill 3x slower than fp32 (mean TTFT "
+                 "of the default prompts 730 vs 230 ms, Zen 3, 2 threads, SmolLM2-135M: docs/fast_path.md 'The "
+                 "resolution rule', quantizers/dtype.py)"),
+    "float16": ("avx512_fp16/amx_fp16", "fp16 prefill is ~10x slower than bf16 without AVX512_FP16 "
+                "(docs/quantizers.md, docs/fast_path.md 'quantizer=auto16')"),
+}
+
+
+def forced_slow(exp: Any, device: str, cpu: env.CpuInfo) -> list[str]:
+    """Explicit settings that this CPU, by its flags alone, runs slower than the default the harness picks for it:
+    one line each (the setting, the CPU's fact, the measured cost and where it is documented, what to set instead).
+    Only explicit values count (`auto` is the default, by definition the fast one), and only costs measured in
+    this repository are quoted; a case without a measured number is not listed."""
+    if not device.startswith("cpu"):
+        return []
+    out = []
+    q = memory.backend_of(exp.quantizer)
+    policy, model_dtype = getattr(q, "prefill_matmul", "auto"), getattr(exp.model, "dtype", None)
+    dtype = getattr(q, "dtype", None) or (float_choice(device, model_dtype, cpu)[0] if model_dtype else None)
+    if policy == "native" and dtype in EMULATED_PREFILL and not native_16bit(dtype, cpu):
+        flags, cost = EMULATED_PREFILL[dtype]
+        out.append(f"quantizer.prefill_matmul=native: {dtype} is emulated on this CPU ({cpu.isa}, no {flags}), so "
+                   f"prefill runs the emulated 16-bit matmul: {cost}. Drop quantizer.prefill_matmul (auto: matmuls "
+                   "of 12+ rows in fp32 on upcast weights)")
+    row = GEMV.get(cpu.uarch)
+    default_rows8 = cpu.native_bf16 and row is not None and row[0] == "rows8" and rows8.available(cpu)[0]
+    if exp.measure.gemv in ("aten", "onednn") and default_rows8 and format_class(exp.quantizer, model_dtype, device) == "16":
+        src = row[1] if cpu.uarch == "zen4" or "zen4" not in GEMV else f"{row[1]}: {GEMV['zen4'][1]}"
+        out.append(f"measure.gemv={exp.measure.gemv}: this CPU ({cpu.uarch}, {cpu.isa}) defaults to rows8 for "
+                   f"16-bit weights, measured {src.replace('; ', ', ')} (harness/measure/one_row.py GEMV, "
+                   "docs/fast_path.md 'The one-row kernel'). Drop measure.gemv (auto: rows8)")
+    return out
 
 
 def _best(exp: Any, device: str, cpu: env.CpuInfo, gemv: str, gemv_by: str) -> Choice:
