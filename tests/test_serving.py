@@ -452,6 +452,7 @@ def test_a_load_run_tags_what_its_target_ran_not_the_strategy_it_does_not_use(co
     tags = runner._result(exp, "cpu", 1, outcome).tags
     assert (tags["strategy.name"], tags["measure.compile"], tags["measure.cache"]) == (
         "continuous batching (load.parallel=4)", "false", "paged")
+    assert runner.identity_tags(exp)["strategy.name"] == tags["strategy.name"]  # what a failed cell of it says
     url = build(compose(["model=tiny_random", "load.profile=sweep", "load.url=http://127.0.0.1:9"]))
     tags = runner._result(url, "cpu", 1, outcome).tags
     assert tags["quantizer.name"] == "external" and tags["strategy.name"] == "external server (load.url)"

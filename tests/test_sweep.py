@@ -483,3 +483,35 @@ def test_report_command_regenerates_from_folder_and_mlflow(tmp_path):
         assert report.main(args) == 0
         table = [ln for ln in (Path(args[-1]) / "report.md").read_text().splitlines() if ln.startswith("| quantizer=")]
         assert len(table) == 2 and "| 1.25 |" in table[1], table
+
+
+@pytest.mark.parametrize("ending", ["TIMEOUT", "FAILED"])
+def test_a_failed_cell_names_its_strategy_as_an_ok_cell_does(compose, tmp_path, monkeypatch, ending):
+    """A report table or MLflow's `strategy.name` column holds one spelling of a strategy: a cell that timed out
+    (no child result) or failed in its run says "Greedy" as an OK cell does, not the option name "greedy"."""
+    from harness.records.results import read_json
+    from harness.records.rows import describe
+    from harness.run import pipeline, runner
+    from harness.sweep import cell
+
+    monkeypatch.delenv(STATE_ENV, raising=False)
+    monkeypatch.setattr(cell, "_hydra_job", lambda: ([], {"strategy": "greedy", "quantizer": "fp32"}, ""))
+
+    def strategy_of(seed: int) -> str:
+        config = compose([*TINY, "name=strat", "quantizer=fp32", "tracking.enabled=false",
+                          f"tracking.results_dir={tmp_path}", f"measure.seed={seed}"])
+        run_cell(config)
+        (path,) = [p for p in (tmp_path / "strat" / "cells").glob("*.json") if read_json(p)["config"]["measure"]
+                   ["seed"] == seed]
+        return describe(read_json(path))["strategy"]
+
+    monkeypatch.setattr(cell, "run_isolated", lambda config, *a, **k: runner.run(config))
+    ok = strategy_of(0)
+    if ending == "TIMEOUT":  # what _run_child returns for a cell past sweep.timeout_s
+        monkeypatch.setattr(cell, "run_isolated", lambda config, *a, **k: isolated.finish(
+            isolated.Result(status="TIMEOUT", config=config, error="cell exceeded sweep.timeout_s"), config, 0.0))
+    else:  # the child's runner.run records a failure of the run itself
+        def boom(self):
+            raise RuntimeError("test fault in the run")
+        monkeypatch.setattr(pipeline.Pipeline, "run", boom)
+    assert (ok, strategy_of(1)) == ("Greedy", "Greedy")

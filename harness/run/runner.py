@@ -43,15 +43,23 @@ def execute(exp: Experiment) -> Result:
 def _result(exp: Experiment, device: str, threads: int, outcome: Any, status: str = "OK") -> Result:
     m = exp.measure
     tags = {**env.machine_tags(device, threads), **exp.model.tags(), **outcome.tags}
-    tags.update({"quantizer.backend": getattr(exp.quantizer, "backend", ""), "quantizer.name": exp.quantizer.name,
-                 "strategy.name": exp.strategy.name, "model.name": exp.model.name, "engine": exp.engine.name,
-                 "measure.cache": m.cache, "measure.compile": str(m.compile).lower(),
+    tags.update({"measure.cache": m.cache, "measure.compile": str(m.compile).lower(),
                  "stop_at_eos": str(m.stop_at_eos).lower()})
-    if exp.load.enabled:  # the target's own scheduler ran, not the strategy or decode path of the config
-        tags.update(ran_tags(exp))
+    tags.update(identity_tags(exp))
     metrics = {k: float(v) for k, v in outcome.metrics.items() if isinstance(v, (int, float))}
     return Result(status=status, config=exp.config, metrics=metrics, tags=tags, samples=outcome.samples,
                   children=outcome.children)
+
+
+def identity_tags(exp: Experiment) -> dict[str, str]:
+    """What a run measured, named as its objects name themselves (strategy.name "Greedy", not the option name
+    "greedy"): the same tags on an OK run and on a failed, timed-out or crashed one (harness/sweep/cell.py), so a
+    report table or an MLflow column holds one spelling of each."""
+    tags = {"quantizer.backend": getattr(exp.quantizer, "backend", ""), "quantizer.name": exp.quantizer.name,
+            "strategy.name": exp.strategy.name, "model.name": exp.model.name, "engine": exp.engine.name}
+    if exp.load.enabled:  # the target's own scheduler ran, not the strategy or decode path of the config
+        tags.update(ran_tags(exp))
+    return tags
 
 
 def classify(exc: BaseException) -> str:
@@ -92,7 +100,7 @@ def run(cfg: Any) -> Result:
         else:
             result = Result(status=status, config=config, error=message,
                             traceback="" if status == "SKIPPED" else traceback.format_exc(),
-                            tags=env.failure_tags(exp))
+                            tags={**env.failure_tags(exp), **(identity_tags(exp) if exp is not None else {})})
     result.run_name = run_name(exp, config)
     result.config_hash = config_hash(config)
     result.tags.update({"config_hash": result.config_hash, "status": result.status})

@@ -26,6 +26,7 @@ from harness.records import tracking
 from harness.records.mlflow_runs import client
 from harness.records.results import WRITE_ERROR_TAG, cell_path, read_json, summary_line, write_json_atomic
 from harness.run.result import SUCCESS, Result, config_hash
+from harness.run.runner import identity_tags
 from harness.sweep import progress, resume
 from harness.sweep.isolated import fault_for, finish, run_isolated
 from harness.sweep.launchers import LOCAL_LAUNCHERS, launcher_name
@@ -140,9 +141,10 @@ def run_cell(cfg: Any) -> int:
         result = finish(Result(status="KILLED", config=config,
                                error=f"sweep interrupted ({getattr(exc, 'signame', 'SIGINT')}) while this cell ran"),
                         config, time.time())
-        record_cell(result, path, state, label, choices, previous, tcfg)
+        record_cell(named(result, exp), path, state, label, choices, previous, tcfg)
         progress.say(summary_line(result))
         raise  # run.py catches it, calls abort() (report + parent run KILLED) and exits 130/143
+    named(result, exp)
     if key:
         result.tags[resume.KEY_TAG] = json.dumps(key)
     if launcher:
@@ -160,6 +162,15 @@ def run_cell(cfg: Any) -> int:
                         "space"))
         return 1
     return 0 if result.status in SUCCESS else 1
+
+
+def named(result: Result, exp: Any) -> Result:
+    """`result` naming what it ran as an OK cell does (strategy.name "Greedy", not choice.strategy's "greedy"),
+    also when the child sent no result (TIMEOUT, CRASHED, KILLED) or the cell failed before it started one."""
+    if exp is not None:  # None: the config itself was refused; nothing was built to name
+        for tag, value in identity_tags(exp).items():
+            result.tags.setdefault(tag, value)
+    return result
 
 
 def _cell_tags(result: Result, state: SweepState, label: str, choices: dict) -> None:
