@@ -195,3 +195,20 @@ def test_the_ui_refuses_a_store_uri_with_a_password(capsys):
     assert ui.main(["--backend-store-uri", "postgresql://mlflow:s3cret-pw@127.0.0.1:9/x", "--links"]) == 2
     err = capsys.readouterr().err
     assert "holds a password" in err and "s3cret-pw" not in err and "mlflow:***@" in err
+
+
+def test_make_ui_starts_mlflow_without_its_job_runner(tmp_path, monkeypatch):
+    """`make ui` (harness.records.ui) serves runs only, as `python -m harness.records.server` does: MLflow's job
+    execution (GenAI evaluation jobs, ~6 extra worker processes) is off in the environment it execs the UI with."""
+    from harness.records import ui
+
+    monkeypatch.delenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", raising=False)
+    started: list[tuple[list[str], dict]] = []
+    monkeypatch.setattr(ui.os, "execv", lambda path, argv: started.append((argv, dict(os.environ))))
+    monkeypatch.setattr(ui.os, "execve", lambda path, argv, env: started.append((argv, dict(env))), raising=False)
+    assert ui.main(["--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db", "--port", "5999"]) == 0
+    ((argv, env),) = started
+    assert argv[1:4] == ["-m", "mlflow", "ui"] and "5999" in argv
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == server.mlflow_launch("sqlite:///x", tmp_path, 1)[1][
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"]

@@ -49,6 +49,9 @@ from harness.errors import QuantbenchError
 PG_USER = "quantbench"  # the cluster's superuser (a role name, not a system user)
 PASSWORD_FILE = "quantbench.pgpass"  # in the data dir: `127.0.0.1:*:*:quantbench:<password>`, mode 0600
 URI_ENV = "MLFLOW_BACKEND_STORE_URI"  # `mlflow server` reads its --backend-store-uri from here too
+# every MLflow server quantbench starts (this module's, `make ui`'s): job execution (GenAI evaluation jobs)
+# spawns ~6 extra worker processes; tracking needs none
+SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 def free_port() -> int:
@@ -224,9 +227,7 @@ def mlflow_launch(backend_uri: str, artifacts_dir: Path, port: int, workers: int
     """
     cmd = [sys.executable, "-m", "mlflow", "server", "--artifacts-destination", str(Path(artifacts_dir).resolve()),
            "--serve-artifacts", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
-    # job execution (GenAI evaluation jobs) spawns ~6 extra worker processes; tracking needs none
-    env = {**os.environ, **(client_env or {}), URI_ENV: backend_uri_for(backend_uri),
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env = {**os.environ, **(client_env or {}), URI_ENV: backend_uri_for(backend_uri), **SERVER_ENV}
     return cmd, env
 
 

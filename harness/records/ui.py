@@ -18,7 +18,7 @@ import urllib.parse
 
 from harness.config import TrackingConfig
 from harness.records.mlflow_runs import runs_url
-from harness.records.server import backend_uri_for, redact
+from harness.records.server import SERVER_ENV, backend_uri_for, redact
 from harness.records.sqlite_seed import missing_store
 
 HOST = "127.0.0.1"  # loopback only: the UI can change and delete runs
@@ -33,6 +33,16 @@ def experiment_links(store_uri: str, base_url: str) -> list[tuple[str, str]]:
     c = MlflowClient(tracking_uri=backend_uri_for(store_uri))
     return [(e.name, runs_url(base_url, e.experiment_id)) for e in c.search_experiments()
             if c.search_runs([e.experiment_id], max_results=1)]
+
+
+def ui_launch(store_uri: str, port: int, workers: int) -> tuple[list[str], dict[str, str]]:
+    """The `mlflow ui` command line and environment: loopback only, MLflow's job runner off as for
+    harness/records/server.py's server (SERVER_ENV)."""
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", backend_uri_for(store_uri),
+           "--host", HOST, "--port", str(port)]
+    if workers:
+        cmd += ["--workers", str(workers)]
+    return cmd, {**os.environ, **SERVER_ENV}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,11 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     if args.links:
         return 0
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", backend_uri_for(args.backend_store_uri),
-           "--host", HOST, "--port", str(args.port)]
-    if args.workers:
-        cmd += ["--workers", str(args.workers)]
-    os.execv(sys.executable, cmd)  # the server takes this process over: Ctrl-C and its PID stop it
+    cmd, env = ui_launch(args.backend_store_uri, args.port, args.workers)
+    os.execve(sys.executable, cmd, env)  # the server takes this process over: Ctrl-C and its PID stop it
     return 0  # not reached
 
 
