@@ -8,6 +8,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from harness.config import TrackingConfig
 from harness.records import report
 from harness.records.results import cell_path, json_path, summary_line
@@ -171,3 +173,51 @@ def test_a_quote_in_sweep_or_tag_is_refused_in_one_line_before_mlflow(capsys):
         assert report.main([*args, "--tracking-uri", dead]) == 2
         err = capsys.readouterr().err
         assert "holds a quote" in err and err.count("\n") == 1, err
+
+
+def test_a_setting_over_mlflows_param_limit_is_logged_cut_with_a_marker_and_read_back_whole(tmp_path):
+    """MLflow keeps a param's first 6000 characters: a longer setting is logged visibly cut (CUT_MARK), the run's
+    config.yaml artifact holds it whole, and the report from MLflow reads that, not the cut value: cells whose
+    prompt lists differ after 6000 characters are each compared with their own baseline, as from the folder."""
+    from mlflow.tracking import MlflowClient
+    from omegaconf import OmegaConf
+
+    from harness.records.mlflow_runs import CUT_MARK, MAX_PARAM_CHARS, run_config, unflatten
+
+    long = ",".join(f"prompt number {i}" for i in range(500))  # ~8000 characters
+    assert len(long) > 7000
+    tcfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/one.db", experiment="long", results_dir=str(tmp_path / "one"))
+    result = Result(status="OK", config={"measure": {"prompts": long, "max_new_tokens": 4}},
+                    metrics={"decode_tokens_per_s": 1.0}, run_name="long", started=time.time(), ended=time.time())
+    record(result, tcfg)
+    c = MlflowClient(tcfg.uri)
+    run = c.get_run(result.mlflow_run_id)
+    cut = run.data.params["measure.prompts"]
+    assert cut.endswith(CUT_MARK) and len(cut) == MAX_PARAM_CHARS and long.startswith(cut[:-len(CUT_MARK)])
+    assert run.data.params["measure.max_new_tokens"] == "4"  # a short one as it was
+    config = OmegaConf.load(c.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path)))
+    assert config.measure.prompts == long
+    assert run_config(c, run.info.run_id, run.data.params)["measure"] == {"prompts": long, "max_new_tokens": "4"}
+    with pytest.raises(ValueError, match="measure.prompts are cut"):  # never taken for the setting itself
+        unflatten(run.data.params)
+
+    class NoArtifacts:
+        def download_artifacts(self, *args):
+            raise OSError("artifact store down")
+
+    unread = run_config(NoArtifacts(), "r1", run.data.params)["measure"]["prompts"]
+    assert unread == "[cut by MLflow; config.yaml of run r1 unreadable]"
+
+    cells = []
+    for ending, base, bf16 in (("a", 10.0, 12.0), ("b", 20.0, 30.0)):
+        for q, tps in (("none", base), ("bf16", bf16)):
+            cells.append((f"quantizer={q},prompts={ending}",
+                          {"quantizer": {"name": q}, "measure": {"max_new_tokens": 4, "prompts": long + ending},
+                           "model": {"dtype": "float32"}, "sweep": {"baseline": "none"}},
+                          {"quantizer.name": q, **CPU}, tps))
+    tcfg = write_sweep(tmp_path, "long", cells)
+    assert report.main([str(tmp_path / "long"), "--out", str(tmp_path / "dir")]) == 0
+    assert report.main(["--mlflow-experiment", "rec", "--tracking-uri", tcfg.uri, "--out", str(tmp_path / "ml")]) == 0
+    folder, mlflow = ratios(tmp_path / "dir" / "report.md"), ratios(tmp_path / "ml" / "report.md")
+    assert folder["quantizer=bf16,prompts=b"] == "1.50"
+    assert mlflow == folder

@@ -33,7 +33,9 @@ from harness.records.sqlite_seed import seeded
 from harness.run.result import Result
 
 log = logging.getLogger("quantbench")
-MAX_PARAM_CHARS = 6000
+MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+CONFIG_ARTIFACT = "config.yaml"  # every run's whole config (`_log`)
+CUT_MARK = f"...[cut, full value in artifact {CONFIG_ARTIFACT}]"  # ends a param value cut to MAX_PARAM_CHARS
 SQLITE_LOCK_WAIT_S = 300.0  # other writers' turns; a wedged holder fails the log, not the run
 # MLflow's experiment type: its UI offers "genai_development" (GenAI apps & agents) and
 # "custom_model_development" ("Machine learning": the runs table first) and writes this tag itself when a
@@ -43,22 +45,34 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
 
-def flatten(data: dict, prefix: str = "") -> dict[str, str]:
-    """A nested config as MLflow params: dotted keys, values as (capped) strings."""
+def param_value(value: Any) -> str:
+    """A config value as an MLflow param: whole, or (over MLflow's limit) cut to MAX_PARAM_CHARS ending in CUT_MARK,
+    never silently: the run's CONFIG_ARTIFACT holds it whole."""
+    text = str(value)
+    return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS - len(CUT_MARK)] + CUT_MARK
+
+
+def flatten(data: dict, prefix: str = "", cut: bool = True) -> dict[str, str]:
+    """A nested config as MLflow params: dotted keys, values as strings (`cut`: as `param_value` logs them)."""
     out: dict[str, str] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(flatten(value, name + "."))
+            out.update(flatten(value, name + ".", cut))
         else:
-            out[name] = str(value)[:MAX_PARAM_CHARS]
+            out[name] = param_value(value) if cut else str(value)
     return out
 
 
 def unflatten(params: dict[str, str]) -> dict:
     """The nested config back from a run's params (`flatten`'s inverse, values kept as strings but "None" as
     None): what a report reads of a cell's config from MLflow (harness/records/sweeps.py) must be what its
-    folder's JSON holds, or the speed settings a ratio compares (harness/records/rows.py `setting`) differ."""
+    folder's JSON holds, or the speed settings a ratio compares (harness/records/rows.py `setting`) differ.
+    A value MLflow holds cut (CUT_MARK) is refused: two settings that differ after the cut would read alike
+    (`run_config` reads such a run's CONFIG_ARTIFACT instead)."""
+    if cut := sorted(k for k, v in params.items() if v.endswith(CUT_MARK)):
+        raise ValueError(f"params {', '.join(cut)} are cut to MLflow's {MAX_PARAM_CHARS} characters; the whole "
+                         f"values are in the run's artifact {CONFIG_ARTIFACT} (mlflow_runs.run_config reads it)")
     out: dict = {}
     for key, value in params.items():
         *parents, name = key.split(".")
@@ -71,6 +85,26 @@ def unflatten(params: dict[str, str]) -> dict:
         else:
             node[name] = None if value == "None" else value
     return out
+
+
+def run_config(c: Any, run_id: str, params: dict[str, str]) -> dict:
+    """A run's config as `unflatten` reads it from `params`; where a value is cut (CUT_MARK), from the run's
+    CONFIG_ARTIFACT, flattened and read back the same way so its values read like the params' (strings). An
+    artifact that cannot be read leaves each cut value a note naming the run: never taken for the setting, nor
+    equal to another run's."""
+    cut = [k for k, v in params.items() if v.endswith(CUT_MARK)]
+    if not cut:
+        return unflatten(params)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            whole = OmegaConf.to_container(OmegaConf.load(c.download_artifacts(run_id, CONFIG_ARTIFACT, tmp)))
+        return unflatten(flatten(whole, cut=False))  # type: ignore[arg-type] - a mapping: `_log` wrote a dict
+    except Exception as exc:  # noqa: BLE001 - an artifact store out of reach: the report still reads the rest
+        log.warning("run %s: %s cut by MLflow and its %s unreadable (%s: %s); read as a note naming the run, "
+                    "equal to no other run's", run_id, ", ".join(cut), CONFIG_ARTIFACT, type(exc).__name__,
+                    str(exc)[:200])
+        return unflatten({**params, **{k: f"[cut by MLflow; {CONFIG_ARTIFACT} of run {run_id} unreadable]"
+                                       for k in cut}})
 
 
 def retry(fn: Callable[[], Any], tcfg: TrackingConfig, what: str) -> Any:
@@ -246,7 +280,7 @@ def _log(c: Any, result: Result, tcfg: TrackingConfig, parent_run_id: str | None
     with tempfile.TemporaryDirectory() as tmp:
         files = dict(artifacts or {})
         files["result.json"] = json.dumps(result.to_dict(), indent=2, sort_keys=True, default=str)
-        files["config.yaml"] = OmegaConf.to_yaml(OmegaConf.create(result.config))
+        files[CONFIG_ARTIFACT] = OmegaConf.to_yaml(OmegaConf.create(result.config))  # params cut: CUT_MARK
         if result.samples:
             files["samples.txt"] = "\n\n".join(f"### prompt\n{s['prompt']}\n### output\n{s['output']}"
                                                for s in result.samples)

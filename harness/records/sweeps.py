@@ -23,7 +23,7 @@ from harness.analysis import frontier, frontier_plot
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
 from harness.metrics import HEADLINE
-from harness.records.mlflow_runs import client, unflatten
+from harness.records.mlflow_runs import client, run_config
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.rows import rows_for
 from harness.records.server import redact
@@ -103,7 +103,7 @@ def _from_parent(c, exp_id: str, parent) -> Sweep:  # noqa: ANN001 - mlflow obje
         status = tags.get("status") or {"FINISHED": "OK", "KILLED": "KILLED"}.get(run.info.status, "FAILED")
         cell = {"status": status, "metrics": dict(run.data.metrics), "tags": tags,
                 "run_name": run.info.run_name, "error": tags.get("error", ""), "mlflow_run_id": run.info.run_id,
-                "config": unflatten(params)}  # whole: rows.setting() compares tokens, prompts, dtype...
+                "config": run_config(c, run.info.run_id, params)}  # whole: rows.setting() compares tokens, prompts...
         latest[tags.get("config_hash") or run.info.run_id] = cell  # ascending start: the rerun wins
     return Sweep(parent.data.tags.get("quantbench.sweep", "sweep"), list(latest.values()),
                  probe_from_parent(dict(parent.data.metrics), dict(parent.data.tags)), parent.info.run_id)
