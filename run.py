@@ -5,7 +5,8 @@ Composes the Hydra config, validates all of it (every cell of a sweep too: one l
 loads; harness.cli.precheck), runs the experiment and records it (result JSON under results/, then
 MLflow). Exit codes: 0 ok, 1 the run failed or cannot run on this machine (recorded FAILED, or SKIPPED with
 a one-line reason such as "needs CUDA"; a sweep counts SKIPPED cells as done but exits 1 when no cell ran
-OK: nothing was measured), 2 invalid input. Third-party output
+OK: nothing was measured), 2 invalid input, 130/143 stopped by Ctrl-C/SIGTERM (a run or the sweep's running cell
+recorded KILLED, with the line saying where). Third-party output
 (gptqmodel's progress, library warnings) goes to the run's log file; `-v` shows it on the terminal.
 """
 
@@ -55,7 +56,9 @@ if __name__ == "__main__":
     register_configs()
     try:
         main()
-    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM during a sweep: close it KILLED, nothing left RUNNING
+    # Ctrl-C or SIGTERM during a sweep: close it KILLED, nothing left RUNNING (a single run recorded itself KILLED
+    # and returned 130/143 in harness.cli.run_one; this is a second Ctrl-C while it recorded, or one before it ran)
+    except KeyboardInterrupt as exc:
         abort()
         sys.exit(getattr(exc, "exit_code", 130))
     except Exception as exc:  # raised out of a sweep (its callback lets it through): close the sweep first

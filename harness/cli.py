@@ -8,6 +8,7 @@ and exit 2 before any model loads, instead of Hydra's multi-line report (exit 1)
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 
 from hydra import compose, initialize_config_dir
@@ -25,6 +26,7 @@ from harness.options import KINDS, unknown_key
 from harness.records import tracking
 from harness.records.results import summary_line
 from harness.run import runner
+from harness.sweep.callback import sigterm_interrupts
 from harness.sweep.launchers import LOCAL_LAUNCHERS, launcher_name, time_limit_problem
 from harness.sweep.settings import SweepSettings, planned_cells, settings_from
 
@@ -186,7 +188,8 @@ def preflight(exp: Experiment) -> None:
 
 
 def run_one(cfg: DictConfig) -> int:
-    """Validate, run, record one experiment. Returns the exit code."""
+    """Validate, run, record one experiment. Returns the exit code: 0 OK, 1 not OK, 2 invalid input, 130/143 stopped
+    by Ctrl-C/SIGTERM (recorded KILLED, with the metrics of the phases it finished)."""
     try:
         exp = build(cfg)  # every config problem, at once, before anything heavy
         preflight(exp)
@@ -197,14 +200,27 @@ def run_one(cfg: DictConfig) -> int:
     if (too_big := memory.refusal(exp)):  # the estimated peak exceeds free memory: refused before loading
         print(f"error: {too_big}", file=sys.stderr)
         return 2
-    result = runner.run(cfg)
-    path = tracking.record(result, exp.tracking)
-    print(summary_line(result))
-    if result.samples:
-        print(f"sample: {result.samples[0]['prompt'][-60:]!r} -> {result.samples[0]['output'][:120]!r}")
-    where = exp.tracking.resolved_uri() if exp.tracking.enabled else "(MLflow disabled)"
-    log = f"  log: {result.tags['log_file']}" if result.tags.get("log_file") else ""
-    print(f"result: {path}  mlflow: {where} run {result.mlflow_run_id or '-'}{log}")
+    previous = sigterm_interrupts()  # SIGTERM: the same clean stop as Ctrl-C, as in a sweep
+    try:
+        try:
+            result, code = runner.run(cfg), None
+        except KeyboardInterrupt as exc:  # the run as it stood, recorded KILLED below; exit 130 (Ctrl-C), 143
+            result, code = getattr(exc, "result", None), getattr(exc, "exit_code", 130)
+            if result is None:  # stopped outside the run's own code: nothing to record (run.py exits 130/143)
+                raise
+        # bounded as every record (tracking.retries, tracking.timeout_s); a second Ctrl-C here ends it (run.py)
+        path = tracking.record(result, exp.tracking)
+        print(summary_line(result))
+        if result.samples:
+            print(f"sample: {result.samples[0]['prompt'][-60:]!r} -> {result.samples[0]['output'][:120]!r}")
+        where = exp.tracking.resolved_uri() if exp.tracking.enabled else "(MLflow disabled)"
+        log = f"  log: {result.tags['log_file']}" if result.tags.get("log_file") else ""
+        print(f"result: {path}  mlflow: {where} run {result.mlflow_run_id or '-'}{log}")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if code is not None:
+        return code
     if result.status == "SKIPPED":  # exit 1 like a failure: a CI job must not pass having measured nothing
         print(f"nothing ran: the run was SKIPPED ({result.error}); exit 1", file=sys.stderr)
     return 0 if result.status == "OK" else 1

@@ -1,8 +1,9 @@
 """Fault drills: each ends with a clear message and no lost result.
 
 (a) the disk fills while a cell's result is written; (b) the MLflow server dies mid-sweep; (c) SIGKILL
-while a result JSON is being written; (d) two sweeps resume the same folder at once. Cells run on the
-tiny model, as a sweep runs them (a) (b) or through the real CLI (d).
+while a result JSON is being written; (d) two sweeps resume the same folder at once; (e) Ctrl-C or SIGTERM
+stops a single run while it measures. Cells run on the tiny model, as a sweep runs them (a) (b) or through
+the real CLI (d) (e).
 """
 
 from __future__ import annotations
@@ -298,3 +299,45 @@ def test_two_sweeps_on_one_folder_the_second_refuses_then_a_sigkilled_sweep_is_c
     assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
     assert "marked KILLED on the next start" in run.data.tags["error"]
     resume.hold_folder(folder, "twice").release()  # the dead sweep's hold on its folder went with it
+
+
+# ------------------------------------------------------------------ (e) Ctrl-C or SIGTERM during a single run
+@serial
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_single_run_stopped_while_it_measures_is_recorded_killed(tmp_path, sig):
+    """`python run.py` (no sweep) stopped after its model loaded: result JSON and MLflow run KILLED, the line
+    saying where they are, exit 130/143, as an interrupted sweep's cell."""
+    from mlflow.tracking import MlflowClient
+
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
+    args = [sys.executable, "run.py", "model=tiny_random", "measure.max_new_tokens=64", "measure.repetitions=100000",
+            "measure.warmup=0", "accuracy.enabled=false", "tracking.experiment=stopped",
+            f"tracking.results_dir={tmp_path}", f"hydra.run.dir={tmp_path}/run"]
+    # SIGINT as a terminal's Ctrl-C sends it, even where the test runner ignores SIGINT (a background job)
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        log = tmp_path / "run" / "run.log"  # the weights' loading bar goes to the run's log
+        deadline = time.monotonic() + 240
+        while not (log.exists() and "Loading weights" in log.read_text(errors="replace")):
+            assert proc.poll() is None, f"the run ended before it measured: {proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the run never loaded its model"
+            time.sleep(0.2)
+        time.sleep(2.0)  # loaded: the timed repetitions (hours of them) run now
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 128 + sig, out[-3000:]
+    files = list((tmp_path / "runs").glob("*.json"))
+    assert len(files) == 1, f"no result JSON: {out[-3000:]}"
+    data = json.loads(files[0].read_text())
+    name = signal.Signals(sig).name
+    assert data["status"] == "KILLED" and data["tags"]["status"] == "KILLED", data["status"]
+    assert data["error"].startswith(f"interrupted ({name}") and " during " in data["error"], data["error"]
+    assert "decode_tokens_per_s" not in data["metrics"]  # no repetition was timed to its end: no speed
+    assert f"result: {files[0]}" in out, out[-3000:]  # one line says where the record is
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(data["mlflow_run_id"])
+    assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED", run.data.tags

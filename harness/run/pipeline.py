@@ -93,6 +93,7 @@ class Pipeline:
         self._greedy: list[list[int]] | None = None
         self._meter: EnergyMeter | None = None  # running during the timed repetitions
         self._decoding = False  # the strategy is set up (prepare) and not yet torn down (end_decoding)
+        self.phase = ""  # the phase `run` is in: what an interrupted run's error names (harness/run/runner.py)
 
     # ------------------------------------------------------------------------------------------- phases
     def preflight(self) -> None:
@@ -276,13 +277,19 @@ class Pipeline:
 
     def run(self) -> Outcome:
         """The whole `python run.py` measurement (module docstring)."""
+        self.phase = "preflight"
         self.preflight()
         try:
+            self.phase = "loading"
             self.load()
+            self.phase = "the timed repetitions"
             gens = self.timed()
+            self.phase = "the summaries"
             self.summaries(gens)
             samples = self.samples(gens)
+            self.phase = "the accuracy pass"
             self.metrics.update(self.accuracy())
+            self.phase = "task accuracy"
             self.tasks()
         finally:
             self.close()

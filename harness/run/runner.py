@@ -5,7 +5,9 @@
 means the run cannot run on this machine (errors.Unsupported from a preflight check, e.g. "needs
 CUDA"): nothing loaded, the reason is the one-line `error`, and a sweep counts it as a success. Seeds and
 thread counts are set inside `run`, which touches no other process-wide state, so a sweep can call it
-in a child process per cell.
+in a child process per cell. Ctrl-C (or SIGTERM, where the caller turned it into a KeyboardInterrupt:
+harness/cli.py) is not a failure: `run` re-raises it, carrying the run as it stood (`exc.result`, status
+KILLED) for the caller to record.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from harness import env, measure
 from harness.config import Experiment, build, to_plain
 from harness.errors import QuantbenchError, Unsupported
 from harness.load.run import LoadFailed, LoadRun, ran_tags
+from harness.run.hooks import Outcome
 from harness.run.pipeline import Pipeline, run_name
 from harness.run.result import Result, config_hash
 
@@ -32,10 +35,21 @@ def execute(exp: Experiment) -> Result:
     device = measure.resolve_device(m.device)
     if exp.load.enabled:  # serving load: open-loop arrivals against a target (harness/load/)
         load = LoadRun(exp, device)
-        outcome, threads = load.run(), load.threads
+        try:
+            outcome, threads = load.run(), load.threads
+        except KeyboardInterrupt as exc:  # its rates are summarized at the end only: nothing is kept
+            exc.phase = "the serving load run"
+            raise
     else:
         pipe = Pipeline(exp, device)
-        outcome = pipe.run()  # preflight (files, libraries, device, corpus, memory) first: nothing loads before it
+        try:
+            outcome = pipe.run()  # preflight (files, libraries, device, corpus, memory) first: nothing loads before it
+        except KeyboardInterrupt as exc:  # where it stopped, and the metrics of the phases it finished (`killed`)
+            exc.phase = pipe.phase
+            if pipe.threads:  # it got past the preflight (nothing measured before that)
+                exc.partial = _result(exp, device, pipe.threads, Outcome(metrics=pipe.metrics, tags=pipe.tags,
+                                                                         samples=[]), "KILLED")
+            raise
         threads = pipe.threads
     return _result(exp, device, threads, outcome)
 
@@ -72,8 +86,21 @@ def classify(exc: BaseException) -> str:
     return "FAILED"
 
 
+def killed(exp: Experiment | None, config: dict, exc: KeyboardInterrupt) -> Result:
+    """The KILLED result of a run stopped by Ctrl-C or SIGTERM: the error names the signal and the phase it stopped
+    (when known), the metrics are those of the phases it finished (`execute`), none when it stopped earlier."""
+    signame = getattr(exc, "signame", "SIGINT")  # harness.sweep.callback.SweepInterrupted: SIGTERM
+    phase = getattr(exc, "phase", "")
+    result = getattr(exc, "partial", None) or Result(status="KILLED", config=config, tags={
+        **env.failure_tags(exp), **(identity_tags(exp) if exp is not None else {})})
+    result.error = (f"interrupted ({'SIGINT, Ctrl-C' if signame == 'SIGINT' else signame})"
+                    + (f" during {phase}" if phase else ""))
+    return result
+
+
 def run(cfg: Any) -> Result:
-    """Build, validate and execute one experiment; never raises for a failed run."""
+    """Build, validate and execute one experiment; never raises for a failed run. A KeyboardInterrupt (Ctrl-C,
+    SIGTERM) is re-raised with `exc.result`, the run recorded KILLED as it stood (`killed`)."""
     started = time.time()
     config = to_plain(cfg)
     config.pop("hydra", None)
@@ -81,6 +108,9 @@ def run(cfg: Any) -> Result:
     try:
         exp = build(config)
         result = execute(exp)
+    except KeyboardInterrupt as exc:
+        exc.result = _finish(killed(exp, config, exc), exp, config, started)
+        raise
     except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded FAILED/OOM run
         status = classify(exc)
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -101,6 +131,11 @@ def run(cfg: Any) -> Result:
             result = Result(status=status, config=config, error=message,
                             traceback="" if status == "SKIPPED" else traceback.format_exc(),
                             tags={**env.failure_tags(exp), **(identity_tags(exp) if exp is not None else {})})
+    return _finish(result, exp, config, started)
+
+
+def _finish(result: Result, exp: Experiment | None, config: dict, started: float) -> Result:
+    """Name, hash, status tags and times of a result `run` returns (or attaches to an interruption)."""
     result.run_name = run_name(exp, config)
     result.config_hash = config_hash(config)
     result.tags.update({"config_hash": result.config_hash, "status": result.status})

@@ -1,7 +1,8 @@
 """The Hydra callback that makes every multirun a sweep (conf/config.yaml: hydra.callbacks.sweep).
 
 It opens the sweep before the first cell and closes it after the last (harness/sweep/parent.py), and
-turns SIGTERM into the same clean stop as Ctrl-C while the sweep runs.
+turns SIGTERM into the same clean stop as Ctrl-C while the sweep runs (`sigterm_interrupts`; a single run
+uses it too: harness/cli.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ FULL_ERROR = "HYDRA_FULL_ERROR"  # set: Hydra re-raises an error instead of prin
 
 
 class SweepInterrupted(KeyboardInterrupt):
-    """SIGTERM turned into the same clean stop as Ctrl-C (kill the cell, record KILLED, close the sweep)."""
+    """SIGTERM turned into the same clean stop as Ctrl-C (a sweep: kill the cell, record KILLED, close the sweep;
+    a single run: record it KILLED); `exit_code` 143."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -32,6 +34,14 @@ class SweepInterrupted(KeyboardInterrupt):
 
 def _on_sigterm(signum: int, _frame: Any) -> None:
     raise SweepInterrupted(signum)
+
+
+def sigterm_interrupts() -> Any:
+    """From now on SIGTERM raises SweepInterrupted, a KeyboardInterrupt: the same clean stop as Ctrl-C. Only the
+    main thread can set it; returns the handler it replaced (None elsewhere), for signal.signal to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 class SweepCallback(Callback):
@@ -47,8 +57,7 @@ class SweepCallback(Callback):
         except QuantbenchError as exc:
             print(f"error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None  # SystemExit passes Hydra's callback guard: stop before any cell
-        if threading.current_thread() is threading.main_thread():
-            self._old_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+        self._old_sigterm = sigterm_interrupts()
         # an error raised out of the sweep (a launcher giving up on a job) reaches run.py, which closes the sweep
         # (parent.launcher_failed), instead of Hydra printing a trace and exiting 1 with the sweep left open
         os.environ[FULL_ERROR] = "1"
