@@ -221,3 +221,18 @@ def test_a_setting_over_mlflows_param_limit_is_logged_cut_with_a_marker_and_read
     folder, mlflow = ratios(tmp_path / "dir" / "report.md"), ratios(tmp_path / "ml" / "report.md")
     assert folder["quantizer=bf16,prompts=b"] == "1.50"
     assert mlflow == folder
+
+
+def test_the_report_lists_each_cells_warnings_under_the_table():
+    cells = [{"status": "OK", "metrics": {"decode_tokens_per_s": 10.0}, "config": {},
+              "tags": {"sweep.cell": "quantizer=none", "quantizer.name": "none", **CPU}},
+             {"status": "OK", "metrics": {"decode_tokens_per_s": 8.0}, "config": {},
+              "tags": {"sweep.cell": "quantizer=int8", "quantizer.name": "int8", **CPU,
+                       "warning.slow_kernel": "slow kernel path? int8 [aten]\n at 15% of its bound",
+                       "warning.forced_slow": "measure.gemv=aten: this CPU defaults to rows8", "warning.spread": ""}}]
+    text = report.markdown(report.rows_for(cells, "none"), "none")
+    section = text.split("## Warnings", 1)[1]
+    assert "- **quantizer=int8** `warning.forced_slow`: measure.gemv=aten: this CPU defaults to rows8" in section
+    assert "- **quantizer=int8** `warning.slow_kernel`: slow kernel path? int8 [aten] at 15% of its bound" in section
+    assert "quantizer=none" not in section and "warning.spread" not in section  # none, and an empty tag, not listed
+    assert "## Warnings" not in report.markdown(report.rows_for(cells[:1], "none"), "none")

@@ -96,6 +96,11 @@ def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
     if bad:
         lines += ["", "## Cells that did not finish", ""]
         lines += [f"- **{r['cell']}** [{r['status']}]: {r['error'] or 'no message'}" for r in bad]
+    warned = [(r, k, v) for r in rows for k, v in sorted(r["tags"].items()) if k.startswith("warning.") and v]
+    if warned:  # a cell on a slow or forced path, a wide spread, a floor above its step: read its number with it
+        lines += ["", "## Warnings", "", "Tags `warning.*` the run recorded: its numbers stand, read them with these.",
+                  ""]
+        lines += [f"- **{r['cell']}** `{k}`: {' '.join(str(v).split())}" for r, k, v in warned]
     skipped = [r for r in rows if r["status"] == "SKIPPED"]
     if skipped:  # not failures: the cell cannot run on this hardware (the sweep still succeeds)
         lines += ["", "## Cells skipped on this machine", ""]
