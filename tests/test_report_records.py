@@ -236,3 +236,31 @@ def test_the_report_lists_each_cells_warnings_under_the_table():
     assert "- **quantizer=int8** `warning.slow_kernel`: slow kernel path? int8 [aten] at 15% of its bound" in section
     assert "quantizer=none" not in section and "warning.spread" not in section  # none, and an empty tag, not listed
     assert "## Warnings" not in report.markdown(report.rows_for(cells[:1], "none"), "none")
+
+
+def test_a_tag_over_the_limit_is_logged_cut_with_a_marker_and_an_interrupted_log_leaves_no_run(tmp_path, monkeypatch):
+    """A long tag (a failed run's error) is held cut by MLflow, visibly (TAG_CUT_MARK; result.json holds it whole);
+    a Ctrl-C while the run is logged deletes the half-made MLflow run as an error does, none is left RUNNING."""
+    from mlflow.tracking import MlflowClient
+
+    from harness.records import mlflow_runs
+    from harness.records.mlflow_runs import MAX_TAG_CHARS, TAG_CUT_MARK, log_to_mlflow
+
+    error = "x" * 9000
+    tcfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/t.db", experiment="tags", results_dir=str(tmp_path))
+    result = Result(status="FAILED", config={"measure": {"max_new_tokens": 4}}, error=error, run_name="long-error",
+                    tags={"error": error, "short": "kept"}, started=time.time(), ended=time.time())
+    run = MlflowClient(tcfg.uri).get_run(log_to_mlflow(result, tcfg))
+    held = run.data.tags["error"]
+    assert held.endswith(TAG_CUT_MARK) and len(held) == MAX_TAG_CHARS and error.startswith(held[:-len(TAG_CUT_MARK)])
+    assert run.data.tags["short"] == "kept"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(mlflow_runs.tempfile, "TemporaryDirectory", interrupted)  # after the run was created
+    with pytest.raises(KeyboardInterrupt):
+        log_to_mlflow(Result(status="OK", config={}, run_name="cut-short", started=time.time(), ended=time.time()),
+                      tcfg)
+    c = MlflowClient(tcfg.uri)
+    names = [r.info.run_name for r in c.search_runs([c.get_experiment_by_name("tags").experiment_id])]
+    assert names == ["long-error"], names  # the interrupted one was deleted, not left RUNNING

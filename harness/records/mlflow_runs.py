@@ -36,6 +36,8 @@ log = logging.getLogger("quantbench")
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 CONFIG_ARTIFACT = "config.yaml"  # every run's whole config (`_log`)
 CUT_MARK = f"...[cut, full value in artifact {CONFIG_ARTIFACT}]"  # ends a param value cut to MAX_PARAM_CHARS
+MAX_TAG_CHARS = 5000  # below MLflow's tag limit (8000 in the pinned 3.x; older servers took 5000)
+TAG_CUT_MARK = "...[cut, full value in artifact result.json]"  # ends a tag value cut to MAX_TAG_CHARS
 SQLITE_LOCK_WAIT_S = 300.0  # other writers' turns; a wedged holder fails the log, not the run
 # MLflow's experiment type: its UI offers "genai_development" (GenAI apps & agents) and
 # "custom_model_development" ("Machine learning": the runs table first) and writes this tag itself when a
@@ -50,6 +52,12 @@ def param_value(value: Any) -> str:
     never silently: the run's CONFIG_ARTIFACT holds it whole."""
     text = str(value)
     return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS - len(CUT_MARK)] + CUT_MARK
+
+
+def tag_value(value: Any) -> str:
+    """A tag as MLflow holds it: whole, or cut to MAX_TAG_CHARS ending in TAG_CUT_MARK (result.json holds it whole)."""
+    text = str(value)
+    return text if len(text) <= MAX_TAG_CHARS else text[:MAX_TAG_CHARS - len(TAG_CUT_MARK)] + TAG_CUT_MARK
 
 
 def flatten(data: dict, prefix: str = "", cut: bool = True) -> dict[str, str]:
@@ -251,7 +259,7 @@ def log_to_mlflow(result: Result, tcfg: TrackingConfig, parent_run_id: str | Non
         run_id_box: list[str] = []
         try:
             return _log(c, result, tcfg, parent_run_id, artifacts, on_created=run_id_box.append)
-        except Exception:
+        except BaseException:  # a second Ctrl-C too: no run left RUNNING that `upload` would not replace
             for rid in run_id_box:
                 with contextlib.suppress(Exception):  # server down: `upload` finds it RUNNING and replaces it
                     c.delete_run(rid)
@@ -263,7 +271,7 @@ def _log(c: Any, result: Result, tcfg: TrackingConfig, parent_run_id: str | None
     from mlflow.entities import Metric, Param  # heavy: see `client`
 
     exp_id = retry(lambda: experiment_id(c, tcfg), tcfg, "mlflow experiment")
-    tags = {k: str(v)[:5000] for k, v in result.tags.items()}
+    tags = {k: tag_value(v) for k, v in result.tags.items()}
     tags["mlflow.runName"] = result.run_name
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id

@@ -89,7 +89,7 @@ def classify(exc: BaseException) -> str:
 def killed(exp: Experiment | None, config: dict, exc: KeyboardInterrupt) -> Result:
     """The KILLED result of a run stopped by Ctrl-C or SIGTERM: the error names the signal and the phase it stopped
     (when known), the metrics are those of the phases it finished (`execute`), none when it stopped earlier."""
-    signame = getattr(exc, "signame", "SIGINT")  # harness.sweep.callback.SweepInterrupted: SIGTERM
+    signame = getattr(exc, "signame", "SIGINT")  # harness.interrupts.Interrupted: SIGTERM
     phase = getattr(exc, "phase", "")
     result = getattr(exc, "partial", None) or Result(status="KILLED", config=config, tags={
         **env.failure_tags(exp), **(identity_tags(exp) if exp is not None else {})})
@@ -140,6 +140,6 @@ def _finish(result: Result, exp: Experiment | None, config: dict, started: float
     result.config_hash = config_hash(config)
     result.tags.update({"config_hash": result.config_hash, "status": result.status})
     if result.error:
-        result.tags["error"] = result.error[:5000]
+        result.tags["error"] = result.error  # MLflow holds it cut, marked (records/mlflow_runs.tag_value)
     result.started, result.ended = started, time.time()
     return result
