@@ -20,13 +20,13 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 
 from harness.config import Experiment, build, register_configs
 from harness.errors import QuantbenchError, Unsupported
+from harness.interrupts import sigterm_interrupts
 from harness.measure import memory
 from harness.options import CONF_DIR as CONF
 from harness.options import KINDS, unknown_key
 from harness.records import tracking
 from harness.records.results import summary_line
 from harness.run import runner
-from harness.sweep.callback import sigterm_interrupts
 from harness.sweep.launchers import LOCAL_LAUNCHERS, launcher_name, time_limit_problem
 from harness.sweep.settings import SweepSettings, planned_cells, settings_from
 

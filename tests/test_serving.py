@@ -6,6 +6,7 @@ runs in tests/test_docs.py (docs/serving.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -362,7 +363,7 @@ def _wait(pred, timeout: float) -> bool:
     return False
 
 
-def test_no_server_outlives_a_run_ended_by_sigterm(tmp_path):
+def test_no_server_outlives_a_run_ended_by_sigterm_and_the_run_is_recorded_killed(tmp_path):
     mark = f"QB_SERVING_TEST={uuid.uuid4().hex}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), mark.split("=")[0]: mark.split("=")[1]}
     args = [sys.executable, "run.py", *TINY_SERVER, "load.rates=[2]", "load.requests=400",
@@ -377,6 +378,10 @@ def test_no_server_outlives_a_run_ended_by_sigterm(tmp_path):
         # a clean stop: the run stopped and reaped its server (no zombie left to init)
         assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
         assert not any(Path(f"/proc/{pid}").exists() for pid in servers)
+        # and recorded, as a single run stopped by SIGTERM is (harness/interrupts.py): KILLED, in its load phase
+        (record,) = [json.loads(f.read_text()) for f in (tmp_path / "runs").glob("*.json")]
+        assert record["status"] == "KILLED", record["status"]
+        assert record["error"] == "interrupted (SIGTERM) during the serving load run", record["error"]
     finally:
         if proc.poll() is None:
             proc.kill()

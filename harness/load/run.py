@@ -23,7 +23,6 @@ import logging
 import math
 import signal
 import statistics
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from harness import measure, run_log, third_party_output
 from harness.analysis.roofline import shape_from_gguf
 from harness.config import Experiment
 from harness.errors import QuantbenchError
+from harness.interrupts import sigterm_interrupts
 from harness.load import lengths
 from harness.load.driver import Request, TargetDied, drive, schedule
 from harness.load.http import HttpTarget
@@ -43,18 +43,6 @@ from harness.run.hooks import Outcome
 from harness.run.llama_cpp import convert, linear_bits, system_info
 
 log = logging.getLogger("quantbench")
-
-
-def stop_on_sigterm() -> Any:
-    """SIGTERM ends the run through its `finally` (a clean stop: the server is stopped and reaped, not left to the
-    kernel's parent-death signal), exit status 143. Only the main thread can; returns the handler it replaced."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    return signal.signal(signal.SIGTERM, on_term)
 
 
 class LoadFailed(QuantbenchError):
@@ -276,7 +264,7 @@ class LoadRun:
         self.requests()
         self.metrics.update({"prompt_len_tokens": statistics.median(p for p, _ in self.lengths),
                              "decode_len_tokens": statistics.median(o for _, o in self.lengths)})
-        previous = stop_on_sigterm()
+        previous = sigterm_interrupts()  # SIGTERM: Ctrl-C's stop, so `finally` stops the server, then KILLED
         try:
             self.open(max(p + o for p, o in self.lengths))
             self.rates()

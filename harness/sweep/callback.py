@@ -1,8 +1,8 @@
 """The Hydra callback that makes every multirun a sweep (conf/config.yaml: hydra.callbacks.sweep).
 
 It opens the sweep before the first cell and closes it after the last (harness/sweep/parent.py), and
-turns SIGTERM into the same clean stop as Ctrl-C while the sweep runs (`sigterm_interrupts`; a single run
-uses it too: harness/cli.py).
+turns SIGTERM into the same clean stop as Ctrl-C while the sweep runs (harness/interrupts.py; a single run
+and a load run's rates use it too).
 """
 
 from __future__ import annotations
@@ -10,38 +10,16 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
 from harness.errors import QuantbenchError
+from harness.interrupts import sigterm_interrupts
 from harness.sweep.parent import finish_sweep, start_sweep
 from harness.sweep.settings import STATE_ENV, SweepState, find_state, plain_without_hydra
 
 FULL_ERROR = "HYDRA_FULL_ERROR"  # set: Hydra re-raises an error instead of printing it and exiting
-
-
-class SweepInterrupted(KeyboardInterrupt):
-    """SIGTERM turned into the same clean stop as Ctrl-C (a sweep: kill the cell, record KILLED, close the sweep;
-    a single run: record it KILLED); `exit_code` 143."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signame = signal.Signals(signum).name
-        self.exit_code = 128 + signum
-
-
-def _on_sigterm(signum: int, _frame: Any) -> None:
-    raise SweepInterrupted(signum)
-
-
-def sigterm_interrupts() -> Any:
-    """From now on SIGTERM raises SweepInterrupted, a KeyboardInterrupt: the same clean stop as Ctrl-C. Only the
-    main thread can set it; returns the handler it replaced (None elsewhere), for signal.signal to put back."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 class SweepCallback(Callback):
