@@ -55,7 +55,8 @@ def no_password(problems: list[str], name: str, uri: str, fix: str) -> None:
 def positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:
     """Append to `problems` why `value` (of field `name`) is not a number > 0 (>= 0 with `allow_zero`)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        problems.append(f"{name}={value!r} must be a number")
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as typed: true, not True
+        problems.append(f"{name}={shown} must be a number")
     elif value < 0 or (value == 0 and not allow_zero):
         problems.append(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
 

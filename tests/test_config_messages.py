@@ -127,7 +127,7 @@ def test_a_value_of_the_wrong_type_or_range_names_its_field(compose, overrides, 
 
 # --- the sweep section: refused in a single run as in a sweep (it was only read by -m) -------------------------
 @pytest.mark.parametrize("override, expected", [
-    ("sweep.timeout_s=true", "sweep.timeout_s=True must be a number"),
+    ("sweep.timeout_s=true", "sweep.timeout_s=true must be a number"),
     ("sweep.drift_probe=bogus", "sweep.drift_probe='bogus' is not allowed; choose one of: all, baseline, none"),
     ("+sweep.nosuch=1", "sweep: SweepSettings.__init__() got an unexpected keyword argument 'nosuch'; allowed keys: "
                         "timeout_s, startup_timeout_s, resume, baseline, start_method, drift_probe, label"),
