@@ -40,6 +40,18 @@ def write_sweep(tmp: Path, name: str, cells: list[tuple[str, dict, dict, float]]
     return tcfg
 
 
+def both_reports(tmp: Path, name: str, pairs: list[tuple[str, dict, float, float]]) -> tuple[dict, dict]:
+    """A sweep of a none and a bf16 cell per (label, measure settings, none tok/s, bf16 tok/s), reported from its
+    folder and from MLflow: the `× none` column of each (`ratios`)."""
+    cells = [(f"quantizer={q},{label}", {"quantizer": {"name": q}, "measure": measure, "model": {"dtype": "float32"},
+                                         "sweep": {"baseline": "none"}}, {"quantizer.name": q, **CPU}, tps)
+             for label, measure, base, bf16 in pairs for q, tps in (("none", base), ("bf16", bf16))]
+    tcfg = write_sweep(tmp, name, cells)
+    assert report.main([str(tmp / name), "--out", str(tmp / f"{name}-dir")]) == 0
+    assert report.main(["--mlflow-experiment", "rec", "--tracking-uri", tcfg.uri, "--out", str(tmp / f"{name}-ml")]) == 0
+    return ratios(tmp / f"{name}-dir" / "report.md"), ratios(tmp / f"{name}-ml" / "report.md")
+
+
 def ratios(md: Path) -> dict[str, str]:
     """cell -> its `× baseline` column, from a report.md."""
     out = {}
@@ -53,17 +65,9 @@ def ratios(md: Path) -> dict[str, str]:
 def test_mlflow_rows_compare_like_the_folder_rows(tmp_path):
     """Cells that differ in a speed setting (max_new_tokens) are each compared with their own baseline cell, from
     MLflow as from the folder: MLflow's cells carry the whole config, not only the baseline and batch size."""
-    cells = []
-    for tokens, base, bf16 in ((4, 10.0, 12.0), (16, 20.0, 30.0)):
-        for q, tps in (("none", base), ("bf16", bf16)):
-            cells.append((f"quantizer={q},measure.max_new_tokens={tokens}",
-                          {"quantizer": {"name": q}, "measure": {"max_new_tokens": tokens, "prompts": "default"},
-                           "model": {"dtype": "float32"}, "sweep": {"baseline": "none"}},
-                          {"quantizer.name": q, **CPU}, tps))
-    tcfg = write_sweep(tmp_path, "tok", cells)
-    assert report.main([str(tmp_path / "tok"), "--out", str(tmp_path / "dir")]) == 0
-    assert report.main(["--mlflow-experiment", "rec", "--tracking-uri", tcfg.uri, "--out", str(tmp_path / "ml")]) == 0
-    folder, mlflow = ratios(tmp_path / "dir" / "report.md"), ratios(tmp_path / "ml" / "report.md")
+    pairs = [(f"measure.max_new_tokens={n}", {"max_new_tokens": n, "prompts": "default"}, base, bf16)
+             for n, base, bf16 in ((4, 10.0, 12.0), (16, 20.0, 30.0))]
+    folder, mlflow = both_reports(tmp_path, "tok", pairs)
     assert folder == {"quantizer=none,measure.max_new_tokens=4": "1.00", "quantizer=bf16,measure.max_new_tokens=4":
                       "1.20", "quantizer=none,measure.max_new_tokens=16": "1.00",
                       "quantizer=bf16,measure.max_new_tokens=16": "1.50"}
@@ -208,17 +212,9 @@ def test_a_setting_over_mlflows_param_limit_is_logged_cut_with_a_marker_and_read
     unread = run_config(NoArtifacts(), "r1", run.data.params)["measure"]["prompts"]
     assert unread == "[cut by MLflow; config.yaml of run r1 unreadable]"
 
-    cells = []
-    for ending, base, bf16 in (("a", 10.0, 12.0), ("b", 20.0, 30.0)):
-        for q, tps in (("none", base), ("bf16", bf16)):
-            cells.append((f"quantizer={q},prompts={ending}",
-                          {"quantizer": {"name": q}, "measure": {"max_new_tokens": 4, "prompts": long + ending},
-                           "model": {"dtype": "float32"}, "sweep": {"baseline": "none"}},
-                          {"quantizer.name": q, **CPU}, tps))
-    tcfg = write_sweep(tmp_path, "long", cells)
-    assert report.main([str(tmp_path / "long"), "--out", str(tmp_path / "dir")]) == 0
-    assert report.main(["--mlflow-experiment", "rec", "--tracking-uri", tcfg.uri, "--out", str(tmp_path / "ml")]) == 0
-    folder, mlflow = ratios(tmp_path / "dir" / "report.md"), ratios(tmp_path / "ml" / "report.md")
+    pairs = [(f"prompts={end}", {"max_new_tokens": 4, "prompts": long + end}, base, bf16)
+             for end, base, bf16 in (("a", 10.0, 12.0), ("b", 20.0, 30.0))]
+    folder, mlflow = both_reports(tmp_path, "long", pairs)
     assert folder["quantizer=bf16,prompts=b"] == "1.50"
     assert mlflow == folder
 
