@@ -21,8 +21,13 @@ from filelock import FileLock
 from harness.errors import QuantbenchError
 
 
+def cache_dir() -> Path:
+    """The cache root's path ($QUANTBENCH_CACHE, else ~/.cache/quantbench), not created."""
+    return Path(os.environ.get("QUANTBENCH_CACHE", Path.home() / ".cache" / "quantbench"))
+
+
 def cache_root() -> Path:
-    root = Path(os.environ.get("QUANTBENCH_CACHE", Path.home() / ".cache" / "quantbench"))
+    root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     return root
 

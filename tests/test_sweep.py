@@ -228,6 +228,47 @@ def test_cells_on_this_machine_take_turns_measuring(tmp_path, monkeypatch, capsy
     assert "[wait] another cell on this machine is measuring (pid" in capsys.readouterr().out
 
 
+def test_a_lock_file_it_cannot_write_still_takes_turns_and_an_unusable_cache_is_one_warning(tmp_path, monkeypatch,
+                                                                                            caplog):
+    """Another user's measure.lock (or a read-only cache root) is locked through a read-only descriptor; a cache
+    root that cannot be opened at all is warned in one line and the cell runs, never a FAILED cell."""
+    import threading
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    (tmp_path / "measure.lock").write_text("")
+    real_open = os.open
+
+    def read_only(path, flags, *args):  # root ignores file modes: refuse writing as another user's file would
+        if str(path).endswith("measure.lock") and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(isolated.os, "open", read_only)
+    events: list[str] = []
+
+    def second() -> None:
+        with isolated.measuring_turn():
+            events.append("second in")
+
+    with isolated.measuring_turn():
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive()  # the read-only lock still makes it wait
+        events.append("first out")
+    waiter.join(10)
+    assert events == ["first out", "second in"]
+
+    monkeypatch.setattr(isolated.os, "open", real_open)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "file" / "cache"))  # under a file: cannot be created
+    with caplog.at_level("WARNING", logger="quantbench"), isolated.measuring_turn():
+        events.append("ran without a turn")
+    assert events[-1] == "ran without a turn"
+    (line,) = [r.getMessage() for r in caplog.records if "not taking turns" in r.getMessage()]
+    assert "measure.lock" in line and "set QUANTBENCH_CACHE to a writable folder" in line and "\n" not in line
+
+
 def test_an_error_raised_in_the_sweep_kills_the_cells_child(compose, monkeypatch):
     """submitit's signal before its job limit raises in the job while the cell's child runs: the child must end
     with it (a live child kept the job in multiprocessing's exit handler forever: the sweep ended in a traceback)."""

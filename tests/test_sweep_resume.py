@@ -216,3 +216,39 @@ def test_a_single_run_that_cannot_run_here_exits_1_saying_nothing_ran(compose, t
     err = capsys.readouterr().err
     assert ("nothing ran: the run was SKIPPED (needs CUDA: measure.device=cuda but no CUDA device is visible; "
             "use measure.device=cpu); exit 1") in err, err
+
+
+def test_a_cell_on_this_machine_holds_its_turn_through_its_record(compose, state, tmp_path, monkeypatch):
+    """The measuring turn covers the whole cell, its MLflow record included: a submitit_local job recording its
+    cell must not load the cores under the next cell's timing. The child itself takes no second turn."""
+    import fcntl
+
+    import harness.sweep.cell as cell
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    held: dict[str, bool] = {}
+
+    def turn_taken() -> bool:  # another open file description cannot take the lock while the cell holds it
+        fd = os.open(tmp_path / "cache" / "measure.lock", os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def no_child(config, settings, fault="", exclusive=True):
+        held["child"], held["child_exclusive"] = turn_taken(), exclusive
+        return Result(status="OK", config=config, started=time.time(), ended=time.time())
+
+    def recording(*args, **kwargs):
+        held["record"] = turn_taken()
+        return real_record(*args, **kwargs)
+
+    real_record = cell.record_cell
+    monkeypatch.setattr(cell, "run_isolated", no_child)
+    monkeypatch.setattr(cell, "record_cell", recording)
+    assert run_cell(compose([*TINY, f"tracking.results_dir={tmp_path}", "tracking.enabled=false"])) == 0
+    assert held == {"child": True, "child_exclusive": False, "record": True}
+    assert not turn_taken()  # released when the cell ends

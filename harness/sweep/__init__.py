@@ -25,7 +25,7 @@ fresh interpreter instead). The server only imports, never computes, so every ch
 clean state; the parent's environment and working directory are handed to each child.
 
 Everything a job needs travels through files, never through in-process globals, and cells on this machine
-measure one at a time under any launcher (a host-wide lock: `isolated.measuring_turn`; `launchers` says which
+measure one at a time under any launcher (a lock in the cache root: `isolated.measuring_turn`; `launchers` says which
 launchers run cells here), which is what keeps results identical under hydra/launcher=submitit_local.
 The in-process globals (`progress`, `parent`) only drive the progress bar and the exit code of the launching
 process.

@@ -28,7 +28,7 @@ from harness.records.results import WRITE_ERROR_TAG, cell_path, read_json, summa
 from harness.run.result import SUCCESS, Result, config_hash
 from harness.run.runner import identity_tags
 from harness.sweep import progress, resume
-from harness.sweep.isolated import fault_for, finish, run_isolated
+from harness.sweep.isolated import fault_for, finish, measuring_turn, run_isolated
 from harness.sweep.launchers import LOCAL_LAUNCHERS, launcher_name
 from harness.sweep.settings import (
     DEFAULT_NAME,
@@ -85,10 +85,19 @@ def _hydra_job() -> tuple[list[str], dict, str]:
 
 
 def run_cell(cfg: Any) -> int:
-    """One Hydra job of a sweep: resume-or-run the cell in isolation and record it. Returns 0 if OK."""
+    """One Hydra job of a sweep: resume-or-run the cell in isolation and record it. Returns 0 if OK.
+
+    Cells on this machine (a local launcher, or an unknown one: a direct call) take turns for the whole cell, its
+    preflight and its MLflow record included, not only its child's timing: a submitit_local job recording its
+    cell must not load the cores under the next cell's timing (harness/sweep/isolated.py `measuring_turn`)."""
+    overrides, choices, launcher = _hydra_job()
+    with measuring_turn(launcher in LOCAL_LAUNCHERS + ("",)):
+        return _run_cell(cfg, overrides, choices, launcher)
+
+
+def _run_cell(cfg: Any, overrides: list[str], choices: dict, launcher: str) -> int:
     config = to_plain(cfg)
     config.pop("hydra", None)
-    overrides, choices, launcher = _hydra_job()
     state = find_state(config)
     if state is None:  # no callback ran (hydra.callbacks cleared): a standalone sweep without parent run
         folder = sweep_folder(config)
@@ -124,8 +133,7 @@ def run_cell(cfg: Any) -> int:
                 return 0
             rerun_why = "; ".join(why)
             progress.say(f"[rerun] {label}: the OK result for config {chash} is not reused: {rerun_why}")
-        # cells on this machine (unknown launcher: a direct call, here too) take turns measuring
-        result = run_isolated(config, settings, fault_for(config), exclusive=launcher in LOCAL_LAUNCHERS + ("",))
+        result = run_isolated(config, settings, fault_for(config), exclusive=False)  # the turn is run_cell's
     except QuantbenchError as exc:
         skipped = isinstance(exc, Unsupported)  # cannot run on this machine: recorded SKIPPED, the sweep goes on
         result = finish(Result(status="SKIPPED" if skipped else "FAILED", config=config, error=str(exc),

@@ -26,14 +26,15 @@ from typing import Any
 import psutil
 
 from harness import quiet_third_party
-from harness.cache import cache_root
+from harness.cache import cache_dir, cache_root
 from harness.errors import QuantbenchError
 from harness.run import runner
 from harness.run.result import Result, config_hash
 from harness.sweep import progress
 from harness.sweep.settings import FAULT_ENV, FAULTS, PRELOAD, SweepSettings
 
-MEASURE_LOCK = "measure.lock"  # under the cache root (one per host): held while a cell's child runs
+log = logging.getLogger("quantbench")
+MEASURE_LOCK = "measure.lock"  # under the cache root: held while a sweep cell runs (harness/sweep/cell.py)
 
 
 def fault_for(config: dict) -> str:
@@ -164,16 +165,29 @@ def finish(result: Result, config: dict, started: float) -> Result:
 
 @contextlib.contextmanager
 def measuring_turn(exclusive: bool = True) -> Iterator[None]:
-    """Hold this host's measuring lock (`<cache root>/measure.lock`) while a cell's child runs, when `exclusive`.
+    """Hold the measuring lock (`<cache root>/measure.lock`) while a sweep cell runs, when `exclusive`.
 
     Cells started on this machine measure one at a time whatever started them: submitit_local launches every
     cell at once, and two sweeps may run side by side; cells sharing the cores would record each other's load
     (a smoke sweep read 50 tok/s instead of 958). The child's imports wait too (they load the cores). The
-    kernel drops the lock when its holder dies, SIGKILL included, so it is never stale."""
+    kernel drops the lock when its holder dies, SIGKILL included, so it is never stale. The lock is per cache
+    root ($QUANTBENCH_CACHE, else the user's ~/.cache/quantbench): sweeps with another cache root do not wait.
+    A cache root that cannot be opened (read-only, or another user's lock file) still locks through a read-only
+    descriptor; one that cannot be opened at all is warned in one line and the cell runs without a turn."""
     if not exclusive:  # cells on nodes of their own (SLURM): a lock in a shared home would serialize the cluster
         yield
         return
-    fd = os.open(cache_root() / MEASURE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # O_CLOEXEC: children never hold it
+    path = cache_dir() / MEASURE_LOCK
+    try:
+        fd = os.open(cache_root() / MEASURE_LOCK, os.O_RDWR | os.O_CREAT, 0o666)  # O_CLOEXEC: children never hold it
+    except OSError:
+        try:  # a read-only cache, or another user's lock file: flock works on a read-only descriptor too
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            log.warning("cells are not taking turns: cannot open %s (%s); set QUANTBENCH_CACHE to a writable folder",
+                        path, exc.strerror or exc)
+            yield
+            return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -182,8 +196,9 @@ def measuring_turn(exclusive: bool = True) -> Iterator[None]:
             progress.say(f"[wait] another cell on this machine is measuring ({holder}); this one starts after it "
                          "(its timeout counts from then)")
             fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}".encode(), 0)
+        with contextlib.suppress(OSError):  # who holds it, for the next cell's [wait] line (not on a read-only fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock
