@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def sweep_cmd(name: str, results: Path, uri: str, sweep_dir: Path) -> list[str]:
     return [sys.executable, "run.py", "-m", "model=tiny_random", "quantizer=none,bf16", f"name={name}",
             "measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=1", "accuracy.enabled=false",
-            "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep_dir}", f"tracking.uri={uri}",
+            "sweep.timeout_s=300", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep_dir}", f"tracking.uri={uri}",
             "tracking.experiment=server-test", f"tracking.results_dir={results}"]
 
 
