@@ -155,7 +155,8 @@ def tie_note(model: Any, prompt: list[int], want: list[int], at: int) -> str:
 def as_draft(exc: QuantbenchError) -> QuantbenchError:
     """A model's error about the draft model: its messages name `model.<key>`, the key is strategy.draft_model's."""
     def fix(line: str) -> str:
-        return re.sub(r"(?<![\w.])model\.", "strategy.draft_model.", line)
+        # a setting's name (at the start, after a space, `(` or a backquote), never a path's `.../model.Q4_0.gguf`
+        return re.sub(r"(?<![^\s(`])model\.(?=[a-z_])", "strategy.draft_model.", line)
     if isinstance(exc, ConfigError):
         return ConfigError([fix(p) for p in exc.problems])
     try:

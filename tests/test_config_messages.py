@@ -60,6 +60,19 @@ def test_a_missing_draft_model_is_refused_before_the_run_naming_its_own_key(comp
     assert capsys.readouterr().err == "error: strategy.draft_model.name_or_path='/no/such': no such directory\n"
 
 
+def test_a_draft_models_error_renames_its_settings_not_the_paths_inside_it():
+    from harness.errors import ConfigError, Unsupported
+    from strategies.speculative import as_draft
+
+    line = "model.path='/models/model.Q4_0.gguf': no such GGUF file (set model.path, or use model=hf); see (model.dtype)"
+    assert str(as_draft(Unsupported(line))) == ("strategy.draft_model.path='/models/model.Q4_0.gguf': no such GGUF "
+                                                "file (set strategy.draft_model.path, or use model=hf); see "
+                                                "(strategy.draft_model.dtype)")
+    assert isinstance(as_draft(Unsupported(line)), Unsupported)  # a sweep still records it SKIPPED
+    assert as_draft(ConfigError(["model.name_or_path='/ckpt/my-model.v2': no such directory"])).problems == [
+        "strategy.draft_model.name_or_path='/ckpt/my-model.v2': no such directory"]
+
+
 def test_the_memory_refusal_leaves_an_unexpected_error_to_the_run():
     def broken(exp, device):
         raise AttributeError("'str' object has no attribute 'preflight'")
