@@ -19,6 +19,9 @@ class Interrupted(KeyboardInterrupt):
         self.signame = signal.Signals(signum).name
         self.exit_code = 128 + signum
 
+    def __reduce__(self) -> tuple:  # pickled (a launcher's job result) as the signal's number, as __init__ takes it
+        return type(self), (signal.Signals[self.signame].value,)
+
 
 def _on_sigterm(signum: int, _frame: Any) -> None:
     raise Interrupted(signum)

@@ -269,6 +269,38 @@ def test_a_lock_file_it_cannot_write_still_takes_turns_and_an_unusable_cache_is_
     assert "measure.lock" in line and "set QUANTBENCH_CACHE to a writable folder" in line and "\n" not in line
 
 
+def test_a_cells_child_interrupted_sends_its_killed_run_and_the_interrupt_pickles():
+    """A SIGINT sent to a cell's child itself: runner.run re-raises it carrying the run KILLED as it stood, and the
+    child sends that result (it sent a FAILED 'KeyboardInterrupt: ' before). In a process of its own: child_main
+    takes its own process group."""
+    import pickle
+
+    from harness.interrupts import Interrupted
+
+    code = """
+import json, multiprocessing, os
+from harness.run import runner
+from harness.run.result import Result
+from harness.sweep import isolated
+
+def stopped(config):
+    exc = KeyboardInterrupt()
+    exc.result = Result(status="KILLED", config=config, error="interrupted (SIGINT, Ctrl-C) during loading")
+    raise exc
+
+runner.run = stopped
+recv, send = multiprocessing.Pipe(duplex=False)
+isolated.child_main({"name": "x"}, send, "", os.getpid())
+recv.recv()  # ready
+print(json.dumps(recv.recv()[1]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    sent = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (sent["status"], sent["error"]) == ("KILLED", "interrupted (SIGINT, Ctrl-C) during loading"), out.stderr
+    again = pickle.loads(pickle.dumps(Interrupted(signal.SIGTERM)))  # a launcher may pickle a job's exception
+    assert (again.signame, again.exit_code) == ("SIGTERM", 143)
+
+
 def test_an_error_raised_in_the_sweep_kills_the_cells_child(compose, monkeypatch):
     """submitit's signal before its job limit raises in the job while the cell's child runs: the child must end
     with it (a live child kept the job in multiprocessing's exit handler forever: the sweep ended in a traceback)."""

@@ -109,11 +109,13 @@ def child_main(config: dict, conn: Any, fault: str, parent_pid: int, environ: di
             raise MemoryError("test fault: simulated out of memory")
         result = runner.run(config)
     except BaseException as exc:  # noqa: BLE001 - runner.run never raises; this catches what it lets through
-        status = "OOM" if isinstance(exc, MemoryError) else "FAILED"
-        result = Result(status=status, config=config, error=f"{type(exc).__name__}: {exc}",
-                        traceback=traceback.format_exc(), started=time.time(), ended=time.time())
-        result.config_hash = config_hash(config)
-        result.tags.update({"config_hash": result.config_hash, "status": status, "error": result.error})
+        result = getattr(exc, "result", None)  # a SIGINT sent to the child itself: the run KILLED as it stood
+        if not isinstance(result, Result):
+            status = "OOM" if isinstance(exc, MemoryError) else "FAILED"
+            result = Result(status=status, config=config, error=f"{type(exc).__name__}: {exc}",
+                            traceback=traceback.format_exc(), started=time.time(), ended=time.time())
+            result.config_hash = config_hash(config)
+            result.tags.update({"config_hash": result.config_hash, "status": status, "error": result.error})
     conn.send(("result", result.to_dict()))
     conn.close()
 
