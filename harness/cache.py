@@ -20,6 +20,10 @@ from filelock import FileLock
 
 from harness.errors import QuantbenchError
 
+# the sweep cells' measuring lock in another file than <cache root>/measure.lock (harness/sweep/isolated.py): for
+# processes pinned to cores of their own, as the suite's xdist workers are (tests/conftest.py)
+LOCK_ENV = "QUANTBENCH_MEASURE_LOCK"
+
 
 def cache_dir() -> Path:
     """The cache root's path ($QUANTBENCH_CACHE, else ~/.cache/quantbench), not created."""

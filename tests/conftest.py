@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from harness import quiet_third_party  # noqa: E402
+from harness.cache import LOCK_ENV, cache_root  # noqa: E402
 from harness.env import wikitext_dir  # noqa: E402
 
 quiet_third_party()
@@ -99,6 +100,10 @@ def _pin_worker(workerinput: dict) -> None:
         share = cores[i % n::n]
         os.sched_setaffinity(0, share)
         os.environ.setdefault("OMP_NUM_THREADS", str(len(share)))
+        # sweeps of different workers run on different cores: each worker's cells take turns among themselves only
+        # (harness/sweep/isolated.py measuring_turn); one lock for both made either worker idle while the other's
+        # cell preflighted, measured and recorded
+        os.environ.setdefault(LOCK_ENV, str(cache_root() / f"measure-{workerinput.get('workerid', 'gw0')}.lock"))
         if "torch" in sys.modules:  # imported before this hook: its pool was sized for all cores
             sys.modules["torch"].set_num_threads(len(share))
 

@@ -19,6 +19,7 @@ import pytest
 import warm
 from conftest import ROOT
 
+from harness.cache import LOCK_ENV
 from harness.errors import ConfigError
 from harness.records import report
 from harness.records.results import cell_path, invocation_cells
@@ -207,6 +208,7 @@ def test_cells_on_this_machine_take_turns_measuring(tmp_path, monkeypatch, capsy
     import threading
 
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    monkeypatch.delenv(LOCK_ENV, raising=False)  # the lock in the cache root, not this test worker's own
     events: list[str] = []
 
     def second(exclusive: bool) -> None:
@@ -226,6 +228,9 @@ def test_cells_on_this_machine_take_turns_measuring(tmp_path, monkeypatch, capsy
     waiter.join(10)
     assert events == ["first in", "second in (exclusive=False)", "first out", "second in (exclusive=True)"]
     assert "[wait] another cell on this machine is measuring (pid" in capsys.readouterr().out
+    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "own.lock"))  # processes on cores of their own: their own lock
+    with isolated.measuring_turn():
+        assert (tmp_path / "own.lock").read_text().startswith(f"pid {os.getpid()}, since ")
 
 
 def test_a_lock_file_it_cannot_write_still_takes_turns_and_an_unusable_cache_is_one_warning(tmp_path, monkeypatch,
@@ -235,6 +240,7 @@ def test_a_lock_file_it_cannot_write_still_takes_turns_and_an_unusable_cache_is_
     import threading
 
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    monkeypatch.delenv(LOCK_ENV, raising=False)
     (tmp_path / "measure.lock").write_text("")
     real_open = os.open
 

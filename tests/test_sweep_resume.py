@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.cache import LOCK_ENV
 from harness.records.results import cell_path
 from harness.run.runner import Result
 from harness.sweep import resume
@@ -226,6 +227,7 @@ def test_a_cell_on_this_machine_holds_its_turn_through_its_record(compose, state
     import harness.sweep.cell as cell
 
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(LOCK_ENV, raising=False)  # the lock in the cache root, not this test worker's own
     held: dict[str, bool] = {}
 
     def turn_taken() -> bool:  # another open file description cannot take the lock while the cell holds it

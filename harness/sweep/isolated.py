@@ -21,12 +21,13 @@ import time
 import traceback
 from collections.abc import Iterator
 from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 import psutil
 
 from harness import quiet_third_party
-from harness.cache import cache_dir, cache_root
+from harness.cache import LOCK_ENV, cache_dir, cache_root
 from harness.errors import QuantbenchError
 from harness.run import runner
 from harness.run.result import Result, config_hash
@@ -173,15 +174,19 @@ def measuring_turn(exclusive: bool = True) -> Iterator[None]:
     cell at once, and two sweeps may run side by side; cells sharing the cores would record each other's load
     (a smoke sweep read 50 tok/s instead of 958). The child's imports wait too (they load the cores). The
     kernel drops the lock when its holder dies, SIGKILL included, so it is never stale. The lock is per cache
-    root ($QUANTBENCH_CACHE, else the user's ~/.cache/quantbench): sweeps with another cache root do not wait.
+    root ($QUANTBENCH_CACHE, else the user's ~/.cache/quantbench; $QUANTBENCH_MEASURE_LOCK names another file):
+    sweeps with another cache root do not wait.
     A cache root that cannot be opened (read-only, or another user's lock file) still locks through a read-only
     descriptor; one that cannot be opened at all is warned in one line and the cell runs without a turn."""
     if not exclusive:  # cells on nodes of their own (SLURM): a lock in a shared home would serialize the cluster
         yield
         return
-    path = cache_dir() / MEASURE_LOCK
+    custom = os.environ.get(LOCK_ENV)
+    path = Path(custom) if custom else cache_dir() / MEASURE_LOCK
     try:
-        fd = os.open(cache_root() / MEASURE_LOCK, os.O_RDWR | os.O_CREAT, 0o666)  # O_CLOEXEC: children never hold it
+        if not custom:
+            cache_root()  # created
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # O_CLOEXEC: children never hold it
     except OSError:
         try:  # a read-only cache, or another user's lock file: flock works on a read-only descriptor too
             fd = os.open(path, os.O_RDONLY)
