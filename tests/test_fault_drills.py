@@ -302,7 +302,7 @@ def test_two_sweeps_on_one_folder_the_second_refuses_then_a_sigkilled_sweep_is_c
 
 
 # ------------------------------------------------------------------ (e) Ctrl-C or SIGTERM during a single run
-@serial
+# not `serial`: no race to time (the run measures for hours after its log says it loaded), so it shares the cores
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_single_run_stopped_while_it_measures_is_recorded_killed(tmp_path, sig):
     """`python run.py` (no sweep) stopped after its model loaded: result JSON and MLflow run KILLED, the line
