@@ -11,7 +11,8 @@ A throwaway repository under tmp_path holds a copy of this checkout (tracked and
 2. A second commit adds real matrix work (a fixed number of 64 x 64 products, as a real regression would)
    to every decode step of strategies/decode.py. `make gate` (BASE=HEAD~1: the base commit, measured by
    its own code in a worktree) must fail with exit 1 and a speed regression: first with the work sized
-   from that step time and a product timed in a warm loop (over 10%: a product costs more inside a step),
+   from that step time and a product timed in a warm loop (aimed at 30% of a step: what a product costs
+   inside a step has read 0.55x to 4x the warm loop's time on Zen 4 hosts, so this is over 10% on any of them),
    then, amended, with the work scaled by what the first run showed a product costs in a step: ~10%.
 """
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -65,10 +65,11 @@ def make_gate(repo: Path, base: str, out: Path, budget: int = 60, mlflow: bool =
 
 
 def unit_seconds() -> float:
-    """Time of one UNIT product on one thread, here and now: the median of 20 rounds of 100, warm.
+    """Time of one UNIT product on one thread, here and now: the fastest of 100 rounds of 100, warm.
 
-    A lower bound of what it costs inside a decode step (there the caches hold the model's data too), so
-    the commit's extra work is at least ~10% of a step.
+    The fastest round, not the median: a neighbour's burst during this ~0.1 s once read a product 2.6x slower
+    than it is (CI, 2026-12-06: 5 products sized for 10% of a step added 5.5%), and too few products makes
+    step 2's first commit a regression the gate cannot decide. Over-estimating the work is harmless there.
     """
     import torch
 
@@ -77,12 +78,12 @@ def unit_seconds() -> float:
     try:
         a, b, out = torch.randn(UNIT, UNIT), torch.randn(UNIT, UNIT), torch.empty(UNIT, UNIT)
         rounds = []
-        for _ in range(21):
+        for _ in range(101):
             t = time.perf_counter()
             for _ in range(100):
                 torch.mm(a, b, out=out)
             rounds.append((time.perf_counter() - t) / 100)
-        return statistics.median(rounds[1:])
+        return min(rounds[1:])
     finally:
         torch.set_num_threads(threads)
 
@@ -136,14 +137,15 @@ def test_make_gate_passes_an_unchanged_commit_and_fails_one_that_adds_decode_wor
     assert run.data.metrics["speed_ci_high"] == pytest.approx(m["speed_ci_high"])
     step_s = 1.0 / record["metrics"]["baseline_decode_tokens_per_s"]  # batch 1: one token a step
 
-    # 2. work sized from a warm loop: a product inside a step costs ~2-4x more than there (caches hold the
-    #    model's data too), so this commit adds well over 10% (measured -27% to -30% under load): caught
+    # 2. work sized from a warm loop for 30% of a step: a product inside a step has cost 0.55x (a CI host) to
+    #    ~2-4x (caches hold the model's data too; -27% to -30% from 10% sizing under load) its warm time, so
+    #    this adds well over 10% (-14% at 0.55x, -55% at 4x): caught
     decode = repo / "strategies" / "decode.py"
     base_text = decode.read_text()
     assert base_text.count(ANCHOR) == 1, "strategies/decode.py's decode step changed: update ANCHOR"
-    reps = max(1, round(0.10 * step_s / unit_seconds()))
+    reps = max(1, round(0.30 * step_s / unit_seconds()))
     change = commit_extra_work(repo, decode, base_text, reps, amend=False)
-    assert -0.60 < change < -0.05
+    assert -0.85 < change < -0.05
 
     # 3. the same work scaled by what one product really cost in a step, to ~10% of a step: still caught
     per_product = (1.0 / (1.0 + change) - 1.0) / reps  # a step's extra time per product, as a share of a step
