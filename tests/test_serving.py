@@ -25,6 +25,7 @@ from conftest import ROOT
 
 from harness.cli import precheck
 from harness.config import build, to_plain
+from harness.interrupts import Interrupted
 from harness.load import lengths, report
 from harness.load import run as run_module
 from harness.load import server as server_module
@@ -339,6 +340,28 @@ def test_a_server_that_dies_mid_run_fails_the_run_in_one_line_and_keeps_what_was
     first, second = result.children
     assert first["status"] == "OK" and first["metrics"]["requests_ok"] == 4  # answered before the death: kept
     assert second["status"] == "FAILED" and second["metrics"]["requests_ok"] == 0
+
+
+def test_a_load_run_stopped_by_sigterm_keeps_the_rates_it_finished_in_its_killed_record(compose, tmp_path,
+                                                                                        monkeypatch):
+    original, procs = LoadRun.point, []
+
+    def point(self, *a, **k):  # SIGTERM (harness.interrupts turns it into Interrupted) as the second rate starts
+        procs.append(self.server.proc)
+        if self.children:
+            raise Interrupted(signal.SIGTERM)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(LoadRun, "point", point)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        runner.run(compose([*TINY_SERVER, "load.rates=[40,40]", "load.requests=4", f"tracking.results_dir={tmp_path}"]))
+    result = stopped.value.result
+    assert result.status == "KILLED" and result.error == "interrupted (SIGTERM) during the serving load run"
+    (first,) = result.children  # the rate answered before the stop: kept, and summarized on the parent
+    assert first["status"] == "OK" and first["metrics"]["requests_ok"] == 4
+    assert result.metrics["load_points"] == 1 and result.metrics["capacity_rps"] == first["metrics"]["offered_rps"]
+    assert result.tags["status"] == "KILLED" and result.tags["load.target"] == "llama-server"
+    assert procs[0].poll() is not None  # the server was stopped on the way out
 
 
 def _marked(mark: str) -> list[int]:

@@ -37,8 +37,10 @@ def execute(exp: Experiment) -> Result:
         load = LoadRun(exp, device)
         try:
             outcome, threads = load.run(), load.threads
-        except KeyboardInterrupt as exc:  # its rates are summarized at the end only: nothing is kept
+        except KeyboardInterrupt as exc:  # the rates it finished, summarized (LoadRun.run), are kept
             exc.phase = "the serving load run"
+            if getattr(exc, "outcome", None) is not None:
+                exc.partial = _result(exp, device, load.threads, exc.outcome, "KILLED")
             raise
     else:
         pipe = Pipeline(exp, device)
