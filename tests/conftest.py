@@ -54,6 +54,15 @@ FAST = [
 SHARED_DATA = wikitext_dir()  # $QUANTBENCH_WIKITEXT, ../shared/..., or beside the origin checkout
 
 
+@pytest.fixture(autouse=True)
+def _settle_warnings_afresh():
+    """Each test reads the settle warnings of its own runs: paths.warn_once remembers the lines this process logged
+    (per config), and tests in one worker settle the same configs again."""
+    paths = sys.modules.get("harness.measure.paths")
+    if paths is not None:
+        paths._WARNED.clear()
+
+
 @pytest.fixture(scope="session")
 def mlflow_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("mlflow")

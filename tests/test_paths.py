@@ -299,6 +299,9 @@ SAPPHIRE = CpuInfo(vendor="GenuineIntel", family="6", model="143", model_name="I
     # fp16 emulated (no avx512_fp16/amx_fp16), bf16 native or not
     (ZEN4, ["quantizer=fp16", "quantizer.prefill_matmul=native"], "~10x slower than bf16"),
     (ZEN3, ["quantizer=fp16", "quantizer.prefill_matmul=native"], "~10x slower than bf16"),
+    # the fp32 upcast where bf16 is native: slower prefill, and the upcast layers miss rows8's tiles in decode
+    (ZEN4, ["quantizer=bf16", "quantizer.prefill_matmul=fp32"], "TTFT 66-74 vs 125-260 ms"),
+    (ZEN5, ["quantizer=none", "quantizer.prefill_matmul=fp32"], "decode 34-39 vs 47-56 tok/s"),  # none: bf16 here
     # rows8 is the one-row default on Zen 4 / Zen 5 (harness/measure/one_row.py GEMV)
     (ZEN4, ["quantizer=bf16", "measure.gemv=aten"], "rows8 46.8 GB/s vs ATen 39.1 (oneDNN bf16 19)"),
     (ZEN4, ["quantizer=fp16", "measure.gemv=onednn"], "rows8 46.8 GB/s vs ATen 39.1 (oneDNN bf16 19)"),
@@ -318,6 +321,9 @@ def test_an_explicit_setting_slower_on_this_cpu_is_one_finding(cpu, overrides, s
     # the same override where this CPU does not run it slower
     (ZEN4, ["quantizer=bf16", "quantizer.prefill_matmul=native"]),  # bf16 native
     (SAPPHIRE, ["quantizer=fp16", "quantizer.prefill_matmul=native"]),  # AVX512_FP16
+    (SAPPHIRE, ["quantizer=fp16", "quantizer.prefill_matmul=fp32"]),  # native fp16: no measured cost of the upcast
+    (ZEN4, ["quantizer=fp16", "quantizer.prefill_matmul=fp32"]),  # fp16 emulated here: fp32 is what auto picks
+    (ZEN4, ["quantizer=fp32", "quantizer.prefill_matmul=fp32"]),  # nothing to upcast
     (ZEN3, ["quantizer=fp32", "quantizer.prefill_matmul=native"]),  # no 16-bit matmul to emulate
     (ZEN3, ["quantizer=bf16", "measure.gemv=aten"]), (ZEN3, ["quantizer=bf16", "measure.gemv=onednn"]),  # auto: aten
     (SAPPHIRE, ["quantizer=bf16", "measure.gemv=onednn"]),  # no measured row: onednn is its default
@@ -334,6 +340,16 @@ def test_settle_warns_and_tags_each_finding_without_refusing_the_run(zen4, caplo
     assert [part.split(":")[0] for part in tag.split("; ")] == ["quantizer.prefill_matmul=native", "measure.gemv=aten"]
     assert caplog.text.count("forced slower than this CPU's default") == 2
     assert "warning.forced_slow" not in paths.settle(_exp("quantizer=fp16"), "cpu").tags()
+
+
+def test_a_config_settled_twice_in_one_process_warns_once_and_tags_both(zen4, caplog):
+    """run.py's check and the runner each build and settle their own copy of one config: one warning line."""
+    overrides = ("quantizer=fp16", "quantizer.prefill_matmul=native")
+    first, second = paths.settle(_exp(*overrides), "cpu"), paths.settle(_exp(*overrides), "cpu")
+    assert caplog.text.count("forced slower than this CPU's default") == 1
+    assert first.tags()["warning.forced_slow"] == second.tags()["warning.forced_slow"] != ""
+    paths.settle(_exp(*overrides, "measure.seed=7"), "cpu")  # another config: its own line
+    assert caplog.text.count("forced slower than this CPU's default") == 2
 
 
 def test_a_run_forced_onto_a_slower_path_carries_the_tag(results_overrides, monkeypatch):

@@ -38,6 +38,7 @@ ISA line), then by the largest `min_params` not above the model's parameter coun
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -238,7 +239,7 @@ def resolve_auto(exp: Any, device: str) -> str:
         if (why := blocker("compiled", exp, device)):
             m.compile = False
             tag = f"cuda: eager ({why})"
-            log.warning("measure.compile=auto on CUDA: %s; decoding eager", why)
+            warn_once(exp, "measure.compile=auto on CUDA: %s; decoding eager", why)
         else:
             m.compile = True
             m.compile_fallback = True  # a run-time capture failure falls back to eager (tag fast_path) too
@@ -254,6 +255,20 @@ def resolve_auto(exp: Any, device: str) -> str:
     if not any(v == "auto" for v in asked.values()):
         return "off (explicit measure.compile/cache/compile_mode)"
     return tag or f"compile={str(m.compile).lower()} cache={m.cache} mode={m.compile_mode}"
+
+
+_WARNED: set[tuple[str, str]] = set()  # (config, line) already logged by this process
+
+
+def warn_once(exp: Any, fmt: str, *args: Any) -> None:
+    """A settle warning, logged once per config and process: run.py's check and the runner each build and settle
+    their own copy of one config, and the user should read each line once (the tags are set on both)."""
+    line = fmt % args
+    config = {k: v for k, v in (getattr(exp, "config", None) or {}).items() if k != "hydra"}
+    key = (json.dumps(config, sort_keys=True, default=str), line)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("%s", line)
 
 
 def settle(exp: Any, device: str) -> Choice:
@@ -295,13 +310,13 @@ def settle(exp: Any, device: str) -> Choice:
             m.compile_skip_guards = True
     elif odd:  # `best` decided eager (an explicit eager run with them is refused in `check`)
         choice.unused = f"{', '.join(odd)} (the decode step runs eager)"
-        log.warning("%s not used: the decode step runs eager (%s)", ", ".join(odd), choice.by)
+        warn_once(exp, "%s not used: the decode step runs eager (%s)", ", ".join(odd), choice.by)
     if m.compile_skip_guards == "auto":
         m.compile_skip_guards = False
     choice.auto = auto
     slow = forced_slow(exp, device, cpu)
     for line in slow:  # a legitimate experiment: recorded (tag warning.forced_slow), never refused
-        log.warning("forced slower than this CPU's default: %s", line)
+        warn_once(exp, "forced slower than this CPU's default: %s", line)
     choice.forced_slow = "; ".join(slow)
     exp.decode_choice = choice
     return choice
@@ -314,6 +329,14 @@ EMULATED_PREFILL = {
                  "resolution rule', quantizers/dtype.py)"),
     "float16": ("avx512_fp16/amx_fp16", "fp16 prefill is ~10x slower than bf16 without AVX512_FP16 "
                 "(docs/quantizers.md, docs/fast_path.md 'quantizer=auto16')"),
+}
+
+
+# quantizer.prefill_matmul=fp32 where this CPU has the 16-bit dot product: measured cost (only bf16 is measured)
+NATIVE_PREFILL = {
+    "bfloat16": ("TTFT 66-74 vs 125-260 ms and decode 34-39 vs 47-56 tok/s (the upcast layers also keep rows8's "
+                 "row-major one-row kernel, not its tiled one), Zen 4, 2 threads, SmolLM2-135M, 4 alternating pairs: "
+                 "docs/fast_path.md 'Settings forced onto a slower path'"),
 }
 
 
@@ -333,6 +356,10 @@ def forced_slow(exp: Any, device: str, cpu: env.CpuInfo) -> list[str]:
         out.append(f"quantizer.prefill_matmul=native: {dtype} is emulated on this CPU ({cpu.isa}, no {flags}), so "
                    f"prefill runs the emulated 16-bit matmul: {cost}. Drop quantizer.prefill_matmul (auto: matmuls "
                    "of 12+ rows in fp32 on upcast weights)")
+    if policy == "fp32" and dtype in NATIVE_PREFILL and native_16bit(dtype, cpu):
+        out.append(f"quantizer.prefill_matmul=fp32: {dtype} is native on this CPU ({cpu.isa}), so upcasting the "
+                   f"matmuls of 12+ rows to fp32 only adds work: {NATIVE_PREFILL[dtype]}. Drop "
+                   f"quantizer.prefill_matmul (auto: native {dtype} matmuls)")
     row = GEMV.get(cpu.uarch)
     default_rows8 = cpu.native_bf16 and row is not None and row[0] == "rows8" and rows8.available(cpu)[0]
     if exp.measure.gemv in ("aten", "onednn") and default_rows8 and format_class(exp.quantizer, model_dtype, device) == "16":
@@ -359,5 +386,5 @@ def _best(exp: Any, device: str, cpu: env.CpuInfo, gemv: str, gemv_by: str) -> C
             path = candidate
             break
         by = f"{candidate} refused ({why}); {by}"
-        log.warning("measure.path=best: %s cannot run (%s); trying the next path", candidate, why)
+        warn_once(exp, "measure.path=best: %s cannot run (%s); trying the next path", candidate, why)
     return Choice(path, by, gemv, gemv_by, "best")
