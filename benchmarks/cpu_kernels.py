@@ -43,6 +43,9 @@ PATHS: dict[str, tuple[str, list[tuple[str, list[str]]]]] = {
                      ("compiled+freezing", ["quantizer=fp32", *FROZEN])]),
     "bf16": ("BF16", [("eager oneDNN GEMV", ["quantizer=bf16", *EAGER, "measure.gemv=onednn"]),
                       ("eager", ["quantizer=bf16", *EAGER]),
+                      # fp32 matmuls from 12 rows (the emulated-bf16 rule) forced where bf16 is native: a forced-slow
+                      # finding there (harness/measure/paths.py NATIVE_PREFILL)
+                      ("eager fp32 prefill", ["quantizer=bf16", *EAGER, "quantizer.prefill_matmul=fp32"]),
                       ("compiled", ["quantizer=bf16", *COMPILED]),
                       ("compiled+freezing", ["quantizer=bf16", *FROZEN])]),
     # int8 resolves to torchao_int8 kernel=int8pack on CPU; the `torchao subclass` rows keep torchao's own
