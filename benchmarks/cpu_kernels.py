@@ -51,6 +51,8 @@ PATHS: dict[str, tuple[str, list[tuple[str, list[str]]]]] = {
     # int8 resolves to torchao_int8 kernel=int8pack on CPU; the `torchao subclass` rows keep torchao's own
     # Int8Tensor (eager: dequantize + mm per call; compiled: inductor's int8pack rewrite), for comparison
     "int8": ("Q8_0", [("eager", ["quantizer=int8", *EAGER]),
+                      # rows8 off (torchao's int8pack op at one row): a forced-slow finding with AVX512_VNNI
+                      ("eager ATen GEMV", ["quantizer=int8", *EAGER, "measure.gemv=aten"]),
                       ("eager torchao subclass", ["quantizer=torchao_int8", "quantizer.kernel=torchao", *EAGER]),
                       ("eager quanto", ["quantizer=quanto_int8", "model.dtype=bfloat16", *EAGER]),
                       ("compiled", ["quantizer=int8", *COMPILED]),
@@ -61,6 +63,9 @@ PATHS: dict[str, tuple[str, list[tuple[str, list[str]]]]] = {
                       ("compiled int8 head", ["quantizer=int8", "quantizer.head=int8", *COMPILED]),
                       ("compiled+freezing int8 head", ["quantizer=int8", "quantizer.head=int8", *FROZEN])]),
     "int4": ("Q4_0", [("eager", ["quantizer=int4", *EAGER]),
+                      # rows8 off (torchao's int4pack op at one row): a forced-slow finding with AVX512_VNNI
+                      ("eager ATen GEMV", ["quantizer=int4", *EAGER, "measure.gemv=aten"]),
+                      ("eager oneDNN GEMV", ["quantizer=int4", *EAGER, "measure.gemv=onednn"]),
                       ("compiled", ["quantizer=int4", *COMPILED]),
                       ("compiled+freezing", ["quantizer=int4", *FROZEN]),
                       # llama.cpp's Q4_0 file stores its head in Q6_K; an int8 head is the nearest torch kernel
