@@ -44,7 +44,7 @@ PATHS: dict[str, tuple[str, list[tuple[str, list[str]]]]] = {
     "bf16": ("BF16", [("eager oneDNN GEMV", ["quantizer=bf16", *EAGER, "measure.gemv=onednn"]),
                       ("eager", ["quantizer=bf16", *EAGER]),
                       # fp32 matmuls from 12 rows (the emulated-bf16 rule) forced where bf16 is native: a forced-slow
-                      # finding there (harness/measure/paths.py NATIVE_PREFILL)
+                      # finding there (harness/measure/slow_settings.py NATIVE_PREFILL)
                       ("eager fp32 prefill", ["quantizer=bf16", *EAGER, "quantizer.prefill_matmul=fp32"]),
                       ("compiled", ["quantizer=bf16", *COMPILED]),
                       ("compiled+freezing", ["quantizer=bf16", *FROZEN])]),

@@ -24,7 +24,7 @@ bf16 was faster in both (TTFT 57 ms). The resolution is recorded in tags `quanti
 16-bit matmul everywhere), `fp32` (always upcast multi-token 16-bit matmuls). The compiled decode step
 never upcasts (inductor would fold the fp32 weights into the graph and read twice the bytes).
 `native` where the CPU emulates the 16-bit dot product runs, with tag `warning.forced_slow`
-(harness/measure/paths.py `forced_slow`).
+(harness/measure/slow_settings.py `forced_slow`).
 """
 
 from __future__ import annotations
