@@ -332,6 +332,10 @@ def test_an_explicit_setting_slower_on_this_cpu_is_one_finding(cpu, overrides, s
     (SAPPHIRE, ["quantizer=bf16", "measure.gemv=onednn"]),  # no measured row: onednn is its default
     (ZEN4, ["quantizer=fp32", "measure.gemv=aten"]),  # rows8 takes 16-bit weights: fp32 has no measured cost
     (ZEN4, ["quantizer=quanto_int8", "measure.gemv=aten"]),  # layers rows8 does not re-lay: no measured cost
+    (ZEN4, ["quantizer=torchao_int4", "quantizer.kernel=intx", "measure.gemv=aten"]),  # nor these layouts
+    (ZEN4, ["quantizer=torchao_int8", "quantizer.kernel=torchao", "measure.gemv=aten"]),
+    (ZEN4, ["quantizer=torchao_int8", "quantizer.dynamic=true", "measure.gemv=aten"]),  # nor int8 x int8
+    (ZEN4, ["quantizer=int8", "quantizer.head=int8", "measure.gemv=aten"]),  # measured with the head in 16 bits only
     (ZEN3, ["quantizer=int4", "measure.gemv=aten"]),  # no AVX-512: aten is the default there
 ])
 def test_a_default_or_a_setting_not_slower_here_is_no_finding(cpu, overrides):
