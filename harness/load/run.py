@@ -271,11 +271,10 @@ class LoadRun:
         except QuantbenchError as exc:
             self.conclude()
             raise LoadFailed(str(exc), self.outcome(), self.threads) from exc
-        except KeyboardInterrupt as exc:  # the rates that finished are kept: the KILLED record holds them (runner)
+        except KeyboardInterrupt:  # the rates that finished are summarized: the KILLED record holds them (runner)
             try:
                 self.conclude()
-                exc.outcome = self.outcome()
-            except Exception:  # noqa: BLE001 - the stop wins; a summary that fails leaves the record without rates
+            except Exception:  # noqa: BLE001 - the stop wins; a summary that fails leaves the rates unsummarized
                 log.exception("load run: the finished rates could not be summarized")
             raise
         finally:

@@ -39,8 +39,8 @@ def execute(exp: Experiment) -> Result:
             outcome, threads = load.run(), load.threads
         except KeyboardInterrupt as exc:  # the rates it finished, summarized (LoadRun.run), are kept
             exc.phase = "the serving load run"
-            if getattr(exc, "outcome", None) is not None:
-                exc.partial = _result(exp, device, load.threads, exc.outcome, "KILLED")
+            if load.threads:  # it got past the preflight, as a pipeline's partial result below
+                exc.partial = _result(exp, device, load.threads, load.outcome(), "KILLED")
             raise
     else:
         pipe = Pipeline(exp, device)
