@@ -155,7 +155,8 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     quiet_third_party()
-    serve(sys.stdin, reply)
+    with measure.own_heap():  # the pipeline's collections scan what it made, not every imported module
+        serve(sys.stdin, reply)
 
 
 if __name__ == "__main__":

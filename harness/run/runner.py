@@ -109,7 +109,8 @@ def run(cfg: Any) -> Result:
     exp = None
     try:
         exp = build(config)
-        result = execute(exp)
+        with measure.own_heap():  # its collections between phases scan what the run made, not every module
+            result = execute(exp)
     except KeyboardInterrupt as exc:
         exc.result = _finish(killed(exp, config, exc), exp, config, started)
         raise
