@@ -37,7 +37,8 @@ install() {  # install ARGS...: `pip install -q ARGS` into the venv, through uv 
     local code=0
     "$VENV/bin/python" scripts/pip_to_uv.py "$UV" -q "$@" || code=$?
     [ "$code" = 0 ] && return 0
-    [ "$code" = 3 ] || echo "setup: warning: uv failed to install $* (exit $code, above); pip installs it" >&2
+    [ "$code" = 3 ] || echo "setup: warning: uv failed to install $* (exit $code, above); pip installs from here on" >&2
+    UV=""  # one line, not one per install
   fi
   $PIP install -q "$@"
 }

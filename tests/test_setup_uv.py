@@ -92,7 +92,7 @@ def _setup_install(tmp_path: Path, uv_exit: int | None) -> tuple[subprocess.Comp
     _fake(venv / "bin" / "python", f'echo "python $@" >> {tmp_path}/log; exit {uv_exit or 0}')
     pip = _fake(tmp_path / "pip", f'echo "pip $@" >> {tmp_path}/log')
     uv = "" if uv_exit is None else "/fake/uv"
-    script = f'set -euo pipefail\nVENV={venv}\nPIP={pip}\nUV="{uv}"\n{func.group(0)}\ninstall -c c.txt torch==2.13.0\n'
+    script = f'set -euo pipefail\nVENV={venv}\nPIP={pip}\nUV="{uv}"\n{func.group(0)}\ninstall -c c.txt torch==2.13.0\ninstall x\n'
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     return proc, (tmp_path / "log").read_text() if (tmp_path / "log").exists() else ""
 
@@ -104,6 +104,9 @@ def test_setup_installs_through_uv_and_falls_back_to_pip(tmp_path, uv_exit):
     through_uv = "python scripts/pip_to_uv.py /fake/uv -q -c c.txt torch==2.13.0"
     assert (through_uv in log) == (uv_exit is not None), log
     assert ("pip install -q -c c.txt torch==2.13.0" in log) == (uv_exit != 0), log  # pip only where uv did not install
+    # after uv failed or refused once, the next install goes to pip at once (one line in all, not one per install)
+    assert ("python scripts/pip_to_uv.py /fake/uv -q x" in log) == (uv_exit == 0), log
+    assert ("pip install -q x" in log) == (uv_exit != 0), log
     warned = [ln for ln in proc.stderr.splitlines() if "warning" in ln]
     # a failed uv says so in one line; a refused setting said so itself (exit 3); no uv: setup said so earlier
     assert len(warned) == (1 if uv_exit == 1 else 0), proc.stderr
