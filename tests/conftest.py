@@ -52,6 +52,16 @@ FAST = [
 ]
 
 SHARED_DATA = wikitext_dir()  # $QUANTBENCH_WIKITEXT, ../shared/..., or beside the origin checkout
+REAL_CACHE = cache_root()  # read before any test points QUANTBENCH_CACHE elsewhere
+
+
+def fresh_cache(path: Path) -> Path:
+    """An empty cache root at `path`, but for the kernels setup built (`ext/`, linked to the real cache's): a run in
+    it does not rebuild quantizers/rows8.py's library (~10 s on one core) unless the test is about building."""
+    path.mkdir(parents=True, exist_ok=True)
+    if (REAL_CACHE / "ext").is_dir() and not (path / "ext").exists():
+        (path / "ext").symlink_to(REAL_CACHE / "ext")
+    return path
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import warm
-from conftest import ROOT
+from conftest import ROOT, fresh_cache
 
 from harness import cgroup
 from harness.analysis import scaling
@@ -369,7 +369,7 @@ def test_the_scaling_section_fits_the_fixed_cost_per_step_and_reads_the_speedups
 def test_the_scaling_experiment_narrowed_to_the_tiny_presets(tmp_path):
     """`python run.py +experiment=scaling`, two sizes x one format, through the CLI: the report's section and figure."""
     env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, STATE_ENV)}
-    env["QUANTBENCH_CACHE"] = str(tmp_path / "cache")
+    env["QUANTBENCH_CACHE"] = str(fresh_cache(tmp_path / "cache"))
     done = warm.run(["run.py", "+experiment=scaling", "size=tiny,tiny-qwen2", "format=int4", *QUICK,
                      f"tracking.results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/hydra", "tracking.enabled=false"],
                     ROOT, env, tmp_path / "procs", timeout=600)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import FAST
+from conftest import FAST, fresh_cache
 
 from harness import env
 from harness.analysis import bandwidth, roofline
@@ -173,7 +173,7 @@ def test_roofline_plot_writes_png(tmp_path):
 def test_metrics_present_on_a_tiny_run(compose, results_overrides, monkeypatch, tmp_path):
     from harness.run.runner import run
 
-    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(fresh_cache(tmp_path / "cache")))
     threads = 1
     # a known bandwidth in this host's cache: the run must use it and not measure
     path = tmp_path / "cache" / "roofline" / f"bandwidth-{bandwidth.host_key('cpu', threads)}.json"
@@ -228,7 +228,7 @@ def test_a_static_cache_is_read_whole_every_step(compose, results_overrides, mon
     a dynamic cache (mean width + 4) against width + 8 on a static one, on every call of the same prompts."""
     from harness.run.runner import run
 
-    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(fresh_cache(tmp_path / "cache")))
     path = tmp_path / "cache" / "roofline" / f"bandwidth-{bandwidth.host_key('cpu', 1)}.json"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"bytes_per_s": 10e9, "method": "seeded by the test"}))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import warm
-from conftest import ROOT
+from conftest import ROOT, fresh_cache
 
 from harness.cache import LOCK_ENV
 from harness.errors import ConfigError
@@ -186,7 +186,7 @@ def test_warm_cell_runs_with_the_sweeps_environment_of_now(compose, tmp_path, mo
     from harness.config import to_plain
 
     warm_up(SweepSettings())  # the server exists before the environment changes
-    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(fresh_cache(tmp_path / "cache")))
     monkeypatch.chdir(tmp_path)
     config = to_plain(compose([*TINY, "tracking.enabled=false", f"tracking.results_dir={tmp_path}/results"]))
     config.pop("hydra", None)
