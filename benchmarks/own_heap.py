@@ -23,9 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-TINY = ["model=tiny_random", "measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0",
-        "accuracy.enabled=false", "tracking.enabled=false"]
+from warm_cells import TINY  # noqa: E402 - the same tiny-model run as the cell benchmark
 
 
 def main(argv: list[str] | None = None) -> int:
