@@ -15,7 +15,7 @@ run: setup
 	$(PY) run.py $(ARGS)
 
 # The suite in two passes: every test not marked `serial` on TEST_WORKERS pytest-xdist workers (2 on 2 cores:
-# ~9 min on a clean clone, measured on a Zen 4 host), then the `serial` tests (the CI gate on real
+# ~8 min on a clean clone, measured on a Zen 4 host), then the `serial` tests (the CI gate on real
 # commits, fault drills, cell timeouts) alone. The workers take whole modules, and tests/test_docs.py command by
 # command (tests/conftest.py's scheduler). A pass that selects nothing (pytest's exit 5, e.g. under a PYTEST_ARGS -k) is fine; both: exit 5.
 TEST_WORKERS ?= 2
