@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     full = time.perf_counter() - t
     real, times = measure.own_heap, {"own_heap": [], "no own_heap": []}
-    order = [m for i in range(pairs) for m in (("own_heap", "no own_heap") if i % 2 == 0 else ("no own_heap", "own_heap"))]
+    ab = ("own_heap", "no own_heap")
+    order = [m for i in range(pairs) for m in (ab if i % 2 == 0 else ab[::-1])]  # on off, off on, ...
     try:
         for mode in order:
             measure.own_heap = real if mode == "own_heap" else contextlib.nullcontext

@@ -54,7 +54,8 @@ def test_uv_command_hands_over_every_index_constraint_and_the_certificate():
 
 def test_the_commands_own_index_replaces_the_configured_one():
     settings = {"index-url": "https://mirror/simple", "no-index": "false"}
-    cmd, _ = pip_to_uv.uv_command("uv", "py", settings, ["torch", "--index-url", "https://download.pytorch.org/whl/cpu"])
+    own = ["torch", "--index-url", "https://download.pytorch.org/whl/cpu"]
+    cmd, _ = pip_to_uv.uv_command("uv", "py", settings, own)
     assert "https://mirror/simple" not in cmd and cmd.count("--index-url") == 1 and "--no-index" not in cmd
     cmd, _ = pip_to_uv.uv_command("uv", "py", {"index-url": "https://mirror/simple", "no-index": "true"}, ["x"])
     assert ("--index-url", "https://mirror/simple") in list(zip(cmd, cmd[1:], strict=False)) and "--no-index" in cmd
@@ -79,7 +80,8 @@ def test_a_setting_uv_cannot_take_exits_3_in_one_line_and_runs_nothing(tmp_path)
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     ran = (tmp_path / "uv-ran").read_text().split()
-    assert ran[:4] == ["pip", "install", "--python", sys.executable] and "/opt/wheels" in ran and ran[-2:] == ["-q", "x"]
+    assert ran[:4] == ["pip", "install", "--python", sys.executable]
+    assert "/opt/wheels" in ran and ran[-2:] == ["-q", "x"]
 
 
 def _setup_install(tmp_path: Path, uv_exit: int | None) -> tuple[subprocess.CompletedProcess, str]:
@@ -92,7 +94,8 @@ def _setup_install(tmp_path: Path, uv_exit: int | None) -> tuple[subprocess.Comp
     _fake(venv / "bin" / "python", f'echo "python $@" >> {tmp_path}/log; exit {uv_exit or 0}')
     pip = _fake(tmp_path / "pip", f'echo "pip $@" >> {tmp_path}/log')
     uv = "" if uv_exit is None else "/fake/uv"
-    script = f'set -euo pipefail\nVENV={venv}\nPIP={pip}\nUV="{uv}"\n{func.group(0)}\ninstall -c c.txt torch==2.13.0\ninstall x\n'
+    script = (f'set -euo pipefail\nVENV={venv}\nPIP={pip}\nUV="{uv}"\n{func.group(0)}\n'
+              "install -c c.txt torch==2.13.0\ninstall x\n")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     return proc, (tmp_path / "log").read_text() if (tmp_path / "log").exists() else ""
 

@@ -215,10 +215,10 @@ def trim_heap() -> None:
 @contextlib.contextmanager
 def own_heap() -> Iterator[None]:
     """Inside, a garbage collection sees only the objects created inside: what exists on entry (imported torch,
-    transformers, MLflow, Hydra: ~640k objects) moves to the permanent generation (`gc.freeze`), and back on exit
+    transformers, MLflow, Hydra: ~650k objects) moves to the permanent generation (`gc.freeze`), and back on exit
     (`gc.unfreeze`), so garbage older than the run is still collected later. A run collects between its phases to
     hand a model's memory back before the next one (the reference model, the profiler's tables, the model itself):
-    a full collection took 0.36 s with those modules imported (Zen 4), 4-6 of them per run, and ~2 us inside.
+    a full collection took 0.36-0.38 s with those modules imported (Zen 4), 4-6 of them per run, and ~2 us inside.
     Nested, only the outermost freezes; where something else froze objects, nothing is changed."""
     if gc.get_freeze_count():
         yield

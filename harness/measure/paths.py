@@ -47,7 +47,7 @@ from harness import env
 from harness.errors import QuantbenchError
 from harness.measure import fast_path, memory
 from harness.measure.one_row import gemv_choice
-from harness.measure.slow_settings import forced_slow, format_class  # noqa: F401 - paths.forced_slow for callers
+from harness.measure.slow_settings import forced_slow, format_class
 from harness.schema import COMPILE_ONLY, set_apart
 
 log = logging.getLogger("quantbench")

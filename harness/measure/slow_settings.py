@@ -52,10 +52,12 @@ NATIVE_PREFILL = {
 # measure.gemv=aten/onednn for torchao's int layers where rows8 is the default (it re-lays them and the bf16 head):
 # format -> (the torchao backend whose layers rows8 takes over, measured cost); measured with the head in 16 bits
 ROWS8_INT = {
-    "int8": ("torchao.int8_weight_only+int8pack", "eager decode 49.8 tok/s with rows8 vs 40.2 with ATen's GEMV, SmolLM2-135M, Zen 4, 2 threads, "
+    "int8": ("torchao.int8_weight_only+int8pack",
+             "eager decode 49.8 tok/s with rows8 vs 40.2 with ATen's GEMV, SmolLM2-135M, Zen 4, 2 threads, "
              "benchmarks/cpu_kernels.py"),
-    "int4": ("torchao.int4_packed", "eager decode 60.4 tok/s with rows8 vs 38.1 with ATen's GEMV and 40.7 with oneDNN's, "
-             "SmolLM2-135M, Zen 4, 2 threads, benchmarks/cpu_kernels.py"),
+    "int4": ("torchao.int4_packed",
+             "eager decode 60.4 tok/s with rows8 vs 38.1 with ATen's GEMV and 40.7 with oneDNN's, SmolLM2-135M, "
+             "Zen 4, 2 threads, benchmarks/cpu_kernels.py"),
 }
 
 
@@ -87,9 +89,9 @@ def forced_slow(exp: Any, device: str, cpu: env.CpuInfo) -> list[str]:
         out.append(f"measure.gemv={exp.measure.gemv}: this CPU ({cpu.uarch}, {cpu.isa}) defaults to rows8 for "
                    f"16-bit weights, measured {src.replace('; ', ', ')} (harness/measure/one_row.py GEMV, "
                    "docs/fast_path.md 'The one-row kernel'). Drop measure.gemv (auto: rows8)")
-    elif exp.measure.gemv in ("aten", "onednn") and default_rows8 and fmt in ROWS8_INT and "avx512_vnni" in cpu.flags \
-            and getattr(q, "backend", "") == ROWS8_INT[fmt][0] and getattr(q, "head", "keep") == "keep":
+    elif (exp.measure.gemv in ("aten", "onednn") and default_rows8 and fmt in ROWS8_INT and "avx512_vnni" in cpu.flags
+          and getattr(q, "backend", "") == ROWS8_INT[fmt][0] and getattr(q, "head", "keep") == "keep"):
         out.append(f"measure.gemv={exp.measure.gemv}: this CPU ({cpu.uarch}, {cpu.isa}) defaults to rows8, which "
-                   f"also takes torchao's {fmt} layers (VNNI kernels) and the 16-bit output head: {ROWS8_INT[fmt][1]} "
-                   "(docs/fast_path.md 'The one-row kernel'). Drop measure.gemv (auto: rows8)")
+                   f"also takes torchao's {fmt} layers (VNNI kernels) and the 16-bit output head: "
+                   f"{ROWS8_INT[fmt][1]} (docs/fast_path.md 'The one-row kernel'). Drop measure.gemv (auto: rows8)")
     return out
