@@ -18,6 +18,7 @@ from typing import Any
 
 from harness.errors import QuantbenchError
 from harness.load.driver import Request
+from harness.measure.omp import free_omp_pool
 from strategies.continuous_batch import PAGED
 
 PAGE = 32
@@ -44,6 +45,7 @@ class InProcessTarget:
             model.set_attn_implementation(PAGED)
         self.model = model
         self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        free_omp_pool()  # the manager decodes on its own thread; this one only waits (harness/measure/omp.py)
         self.manager.start()
         self.pending: dict[str, tuple[Any, Callable[[], None]]] = {}
         self.lock = threading.Lock()
