@@ -143,6 +143,15 @@ def test_report_columns_and_directions_come_from_the_table():
     assert "roofline" not in md and "accept" not in md  # no cell has them
 
 
+def test_a_sweep_of_baseline_cells_alone_has_no_ratio_column():
+    """A strategy sweep (every cell `none`) would compare each cell with itself: 1.00 in every row says nothing."""
+    cells = [{**_cell(k, "none", tps), "tags": {"sweep.cell": k, "quantizer.name": "none", "strategy.name": k}}
+             for k, tps in (("Speculative-model2", 40.0), ("Speculative-prompt_lookup2", 47.0))]
+    md = report.markdown(report.rows_for(cells, "none"), "none")
+    assert "× none" not in md and "| 1.00 |" not in md and "No speed ratio column" in md
+    assert "| Speculative-model2 | none | Speculative-model2 | 1 | 40.0 (39.0–41.0) | 12.0 |" in md
+
+
 def test_a_ratio_compares_within_the_same_threads_and_invocation_and_names_llama_cpp_formats():
     """rows.rows_for: the baseline of a cell is the `none` cell with its thread count (not the first `none` found),
     from its own invocation where it has one; a llama.cpp cell is its format, never a second `none` baseline."""

@@ -72,24 +72,28 @@ def _cell(m: dict, metric: Metric) -> str:
 
 def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
     cols = columns(rows)
+    # a ratio column only where some cell compares with another: a sweep of `baseline` cells alone (a strategy
+    # sweep) would print each cell against itself, 1.00 in every row
+    ratios = any(r["quantizer"] != baseline and r["ratio"] is not None for r in rows)
     head = ["cell", "quantizer", "strategy", "batch"]
     for c in cols:
         head.append(c.column.header + DIRECTION_MARK.get(c.better, ""))
-        if c.name == HEADLINE:
+        if c.name == HEADLINE and ratios:
             head.append(f"× {baseline}" + DIRECTION_MARK.get(c.better, ""))
     head.append("status")
+    speed = (f"Speed ratio against the `{baseline}` cell of the same machine, model, strategy, batch size and "
+             "context depth, run with the same threads, tokens, prompts and dtype (none where that cell is missing)"
+             if ratios else f"No speed ratio column: no cell has a `{baseline}` cell to compare with but itself")
     lines = [f"# {title}", "",
              f"{len(rows)} cell(s): " + ", ".join(f"{n} {s}" for s, n in sorted(_counts(rows).items())) + ". "
-             f"Speed ratio against the `{baseline}` cell of the same machine, model, strategy, batch size and "
-             "context depth, run with the same threads, tokens, prompts and dtype (none where that cell is "
-             "missing); KL and top-1 "
+             f"{speed}; KL and top-1 "
              "against the unquantized reference. ↑ higher is better, ↓ lower is better (harness/metrics.py).", "",
              *_machine_line(rows), "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         cells = [r["cell"].replace("|", "\\|"), r["quantizer"], r["strategy"], str(r["batch"])]
         for c in cols:
             cells.append(_cell(r["metrics"], c))
-            if c.name == HEADLINE:
+            if c.name == HEADLINE and ratios:
                 cells.append(_fmt(r["ratio"], "{:.2f}"))
         lines.append("| " + " | ".join([*cells, r["status"]]) + " |")
     bad = [r for r in rows if r["status"] not in ("OK", "SKIPPED")]
