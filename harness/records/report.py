@@ -83,7 +83,7 @@ def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
     head.append("status")
     speed = (f"Speed ratio against the `{baseline}` cell of the same machine, model, strategy, batch size and "
              "context depth, run with the same threads, tokens, prompts and dtype (none where that cell is missing)"
-             if ratios else f"No speed ratio column: no cell has a `{baseline}` cell to compare with but itself")
+             if ratios else f"No speed ratio column: no cell has a `{baseline}` cell other than itself to compare with")
     lines = [f"# {title}", "",
              f"{len(rows)} cell(s): " + ", ".join(f"{n} {s}" for s, n in sorted(_counts(rows).items())) + ". "
              f"{speed}; KL and top-1 "
