@@ -23,6 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # after ROOT: benchmarks/strategies.py is not the package
+
+from ab import alternating, ratio, spread  # noqa: E402
 
 from harness.env import cpu_info  # noqa: E402
 from harness.measure.omp import free_omp_pool  # noqa: E402
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         assert sum(len(r.generated_tokens) for r in out.values()) == new * len(prompts)
 
     ab = ("kept", "freed")
-    order = [m for i in range(pairs) for m in (ab if i % 2 == 0 else ab[::-1])]
+    order = alternating(pairs, ab)
     times: dict[str, dict[str, list[float]]] = {"linear": {m: [] for m in ab}, "batch": {m: [] for m in ab}}
     for what, fn in (("linear", linears), ("batch", batch)):
         on_a_thread(fn)  # warm: first-call costs on both sides
@@ -100,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(ts)
             unit = (f"{med / calls * 1e6:.1f} us per call" if what == "linear"
                     else f"{tokens / med:.1f} tok/s ({len(prompts)} requests x {new} tokens)")
-            print(f"{what:6s} on a second thread, main pool {mode:5s}: median {med:.3f} s (min {min(ts):.3f}, max "
-                  f"{max(ts):.3f}, n={len(ts)}): {unit}")
-        ratio = statistics.median(per["kept"]) / statistics.median(per["freed"])
-        print(f"{what:6s}: kept / freed = {ratio:.2f}x")
+            print(f"{what:6s} on a second thread, main pool {mode:5s}: {spread(ts, '{:.3f}')}: {unit}")
+        print(f"{what:6s}: {ratio(per, 'kept', 'freed')}")
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from ab import alternating, ratio, spread  # noqa: E402
 from warm_cells import TINY  # noqa: E402 - the same tiny-model run as the cell benchmark
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     full = time.perf_counter() - t
     real, times = measure.own_heap, {"own_heap": [], "no own_heap": []}
     ab = ("own_heap", "no own_heap")
-    order = [m for i in range(pairs) for m in (ab if i % 2 == 0 else ab[::-1])]  # on off, off on, ...
+    order = alternating(pairs, ab)  # on off, off on, ...
     try:
         for mode in order:
             measure.own_heap = real if mode == "own_heap" else contextlib.nullcontext
@@ -62,10 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_info().describe()}")
     print(f"one full gc.collect() with {len(gc.get_objects())} objects tracked: {full * 1e3:.0f} ms")
     for mode, ts in times.items():
-        print(f"tiny run, {mode:12s}: median {statistics.median(ts):.2f} s (min {min(ts):.2f}, max {max(ts):.2f}, "
-              f"n={len(ts)})")
-    ratio = statistics.median(times["no own_heap"]) / statistics.median(times["own_heap"])
-    print(f"ratio no own_heap / own_heap: {ratio:.2f}x")
+        print(f"tiny run, {mode:12s}: {spread(ts)}")
+    print(f"tiny run: {ratio(times, 'no own_heap', 'own_heap')}")
     return 0
 
 

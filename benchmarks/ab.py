@@ -1,0 +1,22 @@
+"""What the side-by-side benchmarks share (own_heap.py, omp_pool.py): the alternating order of two modes (so
+both see the same machine load), a list of timings as its median and spread, and the ratio of two modes."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def alternating(pairs: int, ab: tuple[str, str]) -> list[str]:
+    """`pairs` runs of each mode: a b, b a, a b, ... (each mode as often first as second)."""
+    return [m for i in range(pairs) for m in (ab if i % 2 == 0 else ab[::-1])]
+
+
+def spread(ts: list[float], fmt: str = "{:.2f}") -> str:
+    """'median M s (min A, max B, n=N)'."""
+    f = fmt.format
+    return f"median {f(statistics.median(ts))} s (min {f(min(ts))}, max {f(max(ts))}, n={len(ts)})"
+
+
+def ratio(times: dict[str, list[float]], num: str, den: str) -> str:
+    """'NUM / DEN = R.RRx', the ratio of the two modes' median times."""
+    return f"{num} / {den} = {statistics.median(times[num]) / statistics.median(times[den]):.2f}x"
