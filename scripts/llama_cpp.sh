@@ -6,7 +6,8 @@
 # Why one build: llama-cpp-python's own sdist build compiles ggml, llama, common and mtmd as shared libraries,
 # and a static llama-server compiled all of them again: 5.5 + 6.2 min on a fresh 2-core Zen 4 machine, 12 of the
 # 15.5 minutes of `setup.sh --all`. Here one CMake build of the llama.cpp that the sdist vendors compiles the
-# shared libraries and the server together (~5.2 min), and the binding's Python files, those libraries and the
+# shared libraries and the server together (4.5 min on 2 idle Zen 4 cores, 3.4 min with the host-side C++ as the
+# unity build of scripts/llama_cpp_unity.cmake), and the binding's Python files, those libraries and the
 # server are packed into one wheel (the binding is built with LLAMA_BUILD=OFF: Python only). The server's RUNPATH
 # is $ORIGIN: it runs from llama_cpp/lib beside the libraries the binding loads (setup.sh links it into .venv/bin).
 #
@@ -27,11 +28,20 @@ $PIP download -q --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$VERSI
 tar xzf "$tmp/llama_cpp_python-$VERSION.tar.gz" -C "$tmp"
 src="$tmp/llama_cpp_python-$VERSION"
 gen=(); command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
-cmake -S "$src/vendor/llama.cpp" -B "$tmp/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-  -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN' \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
-  -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF >/dev/null
-cmake --build "$tmp/build" --target llama-server llama ggml mtmd -j "$(nproc)" >/dev/null
+build() {  # build EXTRA_CMAKE_ARGS...: configure and build the libraries and the server into $tmp/build
+  rm -rf "$tmp/build"
+  cmake -S "$src/vendor/llama.cpp" -B "$tmp/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN' \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF "$@" >"$tmp/build.log" 2>&1 &&
+    cmake --build "$tmp/build" --target llama-server llama ggml mtmd -j "$(nproc)" >>"$tmp/build.log" 2>&1
+}
+# the host-side C++ as a unity build (scripts/llama_cpp_unity.cmake says why and what); where that fails, the plain
+# build, after one warning line
+if ! build "-DCMAKE_PROJECT_INCLUDE=$(cd "$(dirname "$0")" && pwd)/llama_cpp_unity.cmake"; then
+  echo "llama_cpp.sh: warning: the unity build failed ($(grep -m1 -E 'error|Error' "$tmp/build.log" | cut -c1-160)); building without it" >&2
+  build || { tail -20 "$tmp/build.log" >&2; exit 1; }
+fi
 lib="$src/llama_cpp/lib"
 mkdir -p "$lib"
 # the binding opens libX.so by that name; the libraries name each other by soname (libX.so.0): a wheel holds no

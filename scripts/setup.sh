@@ -10,7 +10,7 @@ PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.venv
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
-stamp="$VENV/.qb-setup-$ALL-$(cat pyproject.toml constraints.txt scripts/setup.sh scripts/llama_cpp.sh | sha256sum | cut -c1-16)"
+stamp="$VENV/.qb-setup-$ALL-$(cat pyproject.toml constraints.txt scripts/setup.sh scripts/llama_cpp.sh scripts/llama_cpp_unity.cmake | sha256sum | cut -c1-16)"
 fetch_tasks() {
   # BIG-bench's task files (accuracy.tasks, harness/analysis/tasks.py): the bigbench 1.0.0 sdist from the package registry
   # (~360 MB, once, sha256-checked), its multiple-choice tasks kept in the cache (~290 MB); 0.2 s when present.
@@ -50,7 +50,7 @@ if ! command -v g++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; the
   $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends g++
 fi
 
-# --all: llama.cpp (scripts/llama_cpp.sh, ~5 min of compiling on 2 cores on a fresh machine) builds in the background
+# --all: llama.cpp (scripts/llama_cpp.sh, ~3.5 min of compiling on 2 cores on a fresh machine) builds in the background
 # while pip installs the project (~2.5 min of downloads and unpacking, mostly one core); its wheel is installed below
 QB_CACHE="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}"
 llama_pid=""
