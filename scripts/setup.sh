@@ -88,18 +88,6 @@ if rows8.available(env.cpu_info())[0]: rows8.load()"
 
 if [ "$ALL" = 1 ]; then
   : # --- test-only extras (one block per feature; keep each idempotent) ---
-  # llama.cpp (engine=llama_cpp and llama-server), built above in the background: one wheel, cached per CPU, holds the
-  # binding, its libraries and the server; .venv/bin/llama-server links to the server beside its libraries
-  if [ -n "$llama_pid" ]; then
-    if ! wait "$llama_pid"; then
-      tail -20 "$VENV/.qb-llama-cpp.log" >&2
-      echo "setup: error: llama.cpp did not build (above; log: $VENV/.qb-llama-cpp.log)" >&2; exit 1
-    fi
-    # an installed llama-cpp-python of the same version (an older setup's wheel, without the server) is replaced
-    $PIP uninstall -q -y llama-cpp-python 2>/dev/null || true
-    install -c constraints.txt "$(tail -1 "$VENV/.qb-llama-cpp.log")"
-    ln -sf "$("$VENV/bin/python" -c 'import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent)')/lib/llama-server" "$VENV/bin/llama-server"
-  fi
   # PostgreSQL server for tests/test_tracking_server.py (harness.server --postgres-dir); Debian puts the
   # binaries in /usr/lib/postgresql/<version>/bin and creates the `postgres` user the cluster runs as
   # when CI is root. Only the package is needed: no system cluster is started or used.
@@ -119,7 +107,26 @@ if [ "$ALL" = 1 ]; then
   ls "$QB_EXT"/quanto-*/quanto_cpp.so >/dev/null 2>&1 || "$VENV/bin/python" -c "from quantizers.quanto import cache_extension
 cache_extension()
 from optimum.quanto.library.extensions.cpp import ext; ext.lib" 2>/dev/null || echo "setup: quanto's kernel did not build; quanto_int4 builds it on first use"
-  # QB_SETUP_EXTRAS
+  # gptqmodel's CPU packing kernel (quantizer=gptq packs with it), JIT-built on first use into its cache (~30 s of
+  # compiling): built here, beside the llama.cpp compile. On a fresh machine the first two GPTQ tests waited for it,
+  # +30 s and +20 s (2026-12-07)
+  ls "${GPTQMODEL_TORCH_EXTENSIONS_DIR:-$HOME/.cache/gptqmodel/torch_extensions}"/pack_block_cpu/*/*.so >/dev/null 2>&1 ||
+    "$VENV/bin/python" -c "from gptqmodel.utils.cpp import load_pack_block_extension as f; exit(0 if f() else 1)" >/dev/null 2>&1 ||
+    echo "setup: gptqmodel's packing kernel did not build; quantizer=gptq builds it on first use" >&2
+  # llama.cpp (engine=llama_cpp and llama-server), built above in the background: one wheel, cached per CPU, holds the
+  # binding, its libraries and the server; .venv/bin/llama-server links to the server beside its libraries. Waited
+  # for last: the extras above (packages, the quanto and gptqmodel builds) overlap the compile instead of following
+  # it (a fresh machine's setup ends when the compile does)
+  if [ -n "$llama_pid" ]; then
+    if ! wait "$llama_pid"; then
+      tail -20 "$VENV/.qb-llama-cpp.log" >&2
+      echo "setup: error: llama.cpp did not build (above; log: $VENV/.qb-llama-cpp.log)" >&2; exit 1
+    fi
+    # an installed llama-cpp-python of the same version (an older setup's wheel, without the server) is replaced
+    $PIP uninstall -q -y llama-cpp-python 2>/dev/null || true
+    install -c constraints.txt "$(tail -1 "$VENV/.qb-llama-cpp.log")"
+    ln -sf "$("$VENV/bin/python" -c 'import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent)')/lib/llama-server" "$VENV/bin/llama-server"
+  fi
 fi
 fetch_tasks
 rm -f "$VENV"/.qb-setup-"$ALL"-*
