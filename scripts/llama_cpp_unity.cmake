@@ -2,9 +2,9 @@
 #
 # Why: llama-common, the server and mtmd are ~40 files that each parse nlohmann/json and the STL again; batched
 # into a few translation units they compile in 3.4 instead of 4.5 min on 2 Zen 4 cores (measured 2026-12-07, the
-# same targets, nothing else running), most of a fresh machine's CI over its 15-minute budget. ggml, the kernels
-# every measured token runs, is not touched: its objects build exactly as the sdist builds them. llama's own
-# CMakeLists already builds its model files as a unity build (and keeps its core files out of it).
+# same targets, nothing else running): a minute off a fresh machine's setup, which ends with this compile. ggml,
+# the kernels every measured token runs, is not touched: its objects build exactly as the sdist builds them.
+# llama's own CMakeLists already builds its model files as a unity build (and keeps its core files out of it).
 #
 # Two files cannot share a translation unit: common/json.cpp specializes a template that an earlier file has
 # already instantiated, and mtmd-helper*.cpp refuse mtmd's internal headers by #error. If a future llama.cpp

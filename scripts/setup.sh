@@ -50,8 +50,8 @@ if ! command -v g++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; the
   $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends g++
 fi
 
-# --all: llama.cpp (scripts/llama_cpp.sh, ~3.5 min of compiling on 2 cores on a fresh machine) builds in the background
-# while pip installs the project (~2.5 min of downloads and unpacking, mostly one core); its wheel is installed below
+# --all: llama.cpp (scripts/llama_cpp.sh: ~4 min alone on 2 idle cores, ~5.7 min beside the rest of a fresh machine's
+# setup) builds in the background while the project installs and the kernels below build; its wheel is installed last
 QB_CACHE="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}"
 llama_pid=""
 if [ "$ALL" = 1 ] && { ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null || [ ! -x "$VENV/bin/llama-server" ]; }; then
