@@ -54,9 +54,17 @@ fi
 # setup) builds in the background while the project installs and the kernels below build; its wheel is installed last
 QB_CACHE="${QUANTBENCH_CACHE:-$HOME/.cache/quantbench}"
 llama_pid=""
-if [ "$ALL" = 1 ] && { ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null || [ ! -x "$VENV/bin/llama-server" ]; }; then
-  bash scripts/llama_cpp.sh "$PIP" "$QB_CACHE" > "$VENV/.qb-llama-cpp.log" 2>&1 &
+start_llama() {  # the build in a process group of its own (setsid: the background child is no group leader, so
+  # setsid does not fork and $! is the group), so that stop_llama stops the compiler too, not only the script
+  setsid bash scripts/llama_cpp.sh "$PIP" "$QB_CACHE" > "$VENV/.qb-llama-cpp.log" 2>&1 &
   llama_pid=$!
+}
+stop_llama() {  # on any exit before the build was waited for (a failed step, Ctrl-C, SIGTERM): no orphaned compile
+  [ -z "$llama_pid" ] || kill -TERM -- "-$llama_pid" 2>/dev/null || true
+}
+trap stop_llama EXIT
+if [ "$ALL" = 1 ] && { ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null || [ ! -x "$VENV/bin/llama-server" ]; }; then
+  start_llama
 fi
 
 # torch, pinned exactly. A CUDA build already in the venv is kept; a CUDA machine gets PyPI's CUDA
@@ -118,7 +126,9 @@ from optimum.quanto.library.extensions.cpp import ext; ext.lib" 2>/dev/null || e
   # for last: the extras above (packages, the quanto and gptqmodel builds) overlap the compile instead of following
   # it (a fresh machine's setup ends when the compile does)
   if [ -n "$llama_pid" ]; then
-    if ! wait "$llama_pid"; then
+    code=0; wait "$llama_pid" || code=$?
+    llama_pid=""  # waited for: nothing left to stop
+    if [ "$code" != 0 ]; then
       tail -20 "$VENV/.qb-llama-cpp.log" >&2
       echo "setup: error: llama.cpp did not build (above; log: $VENV/.qb-llama-cpp.log)" >&2; exit 1
     fi

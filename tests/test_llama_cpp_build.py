@@ -5,9 +5,13 @@ phase (a fresh machine compiles it; docs/peers.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +128,54 @@ def test_a_build_that_fails_both_ways_fails_the_script_with_the_compiler_output(
     assert res.returncode != 0 and len(configures) == 2
     assert "ops.cpp: error: broken compiler" in res.stderr
     assert not list((tmp_path / "cache").rglob("*.whl"))
+
+
+
+# setup.sh's background build as setup starts and stops it (its own start_llama, stop_llama and EXIT trap), with a
+# fake scripts/llama_cpp.sh whose "compiler" is a grandchild that would run for minutes
+FAKE_BUILD = "sleep 300 &\necho $! > compiler.pid.tmp\nmv compiler.pid.tmp compiler.pid\nwait\n"
+
+
+def _gone(pid: int) -> bool:
+    try:  # a zombie waits for its reaper but runs no more
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("stop", ["a later step fails", "SIGTERM to setup", "Ctrl-C"])
+def test_a_setup_that_stops_before_the_wait_stops_the_compile_too(tmp_path, stop):
+    text = (ROOT / "scripts" / "setup.sh").read_text()
+    funcs = [re.search(rf"^{name}\(\) \{{.*?^\}}$", text, re.S | re.M) for name in ("start_llama", "stop_llama")]
+    assert all(funcs) and "\ntrap stop_llama EXIT\n" in text, "setup.sh: start_llama, stop_llama or the trap is gone"
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "llama_cpp.sh").write_text(FAKE_BUILD)
+    (tmp_path / "venv").mkdir()
+    script = "\n".join(["set -euo pipefail", "VENV=venv PIP=pip QB_CACHE=cache", 'llama_pid=""',
+                        *(f.group(0) for f in funcs), "trap stop_llama EXIT", "start_llama",
+                        "while [ ! -e compiler.pid ]; do sleep 0.05; done",  # the compile runs: then the next step
+                        "false" if stop == "a later step fails" else "sleep 60"])
+    # a session of its own: Ctrl-C signals setup's whole foreground process group, as a terminal does
+    proc = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, start_new_session=True)
+    pid_file, deadline = tmp_path / "compiler.pid", time.monotonic() + 30
+    while not pid_file.exists():
+        assert time.monotonic() < deadline, "the fake build never started"
+        time.sleep(0.05)
+    compiler = int(pid_file.read_text())
+    try:
+        if stop != "a later step fails":
+            time.sleep(0.3)  # setup is in its next step
+            if stop == "Ctrl-C":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.terminate()
+        assert proc.wait(timeout=30) != 0
+        deadline = time.monotonic() + 10
+        while not _gone(compiler) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(compiler), f"the compile ({compiler}) outlived setup ({stop})"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(compiler, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
