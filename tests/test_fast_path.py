@@ -3,6 +3,7 @@ recompilation inside the timing caught, non-compilable quantizers refused before
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import FAST
 from harness.config import build
 from harness.errors import ConfigError, QuantbenchError
 from harness.measure import compile_diag, fast_path
+from harness.measure.prompts import PROMPT_SETS
 from harness.run import runner
 from quantizers.dtype import Dtype
 from strategies.base import DecodeOptions
@@ -19,6 +21,7 @@ from strategies.greedy import Greedy
 
 NO_ACC = ["accuracy.enabled=false"]
 COMPILED = ["measure.cache=static", "measure.compile=true"]
+LIMITS = [8, 3, 8, 5]  # per-prompt max_new_tokens, the longest FAST's
 
 
 @dataclass
@@ -73,12 +76,28 @@ def test_mismatch_between_compiled_and_eager_fails_the_run():
     opts = DecodeOptions(max_new_tokens=6, pad_token_id=0, cache="static")
     batches = [[[5, 6, 7]]]
     gens = [Greedy().generate(model, b, opts) for b in batches]
-    assert fast_path.check_match(Greedy(), model, batches, opts, gens)["compiled_match"] == 1.0
+    assert fast_path.check_match(Greedy(), model, batches, lambda b: opts, gens)["compiled_match"] == 1.0
     gens[0].sequences[0][3] += 1  # what a miscompiled step would produce: a token far below eager's top
     with pytest.raises(QuantbenchError, match="differs from eager at token 3.*compiled_match=0.*ulps below"):
-        fast_path.check_match(Greedy(), model, batches, opts, gens)
+        fast_path.check_match(Greedy(), model, batches, lambda b: opts, gens)
     with pytest.raises(QuantbenchError, match="compile_match=strict"):
-        fast_path.check_match(Greedy(), model, batches, opts, gens, policy="strict")
+        fast_path.check_match(Greedy(), model, batches, lambda b: opts, gens, policy="strict")
+
+
+def test_the_check_decodes_each_batch_at_the_length_it_was_timed_with():
+    """Per-prompt max_new_tokens (a JSONL workload): eager decodes each batch's own length, as the timed run did;
+    at the run's longest length every shorter batch "differed" (a false compiled_match=0, a failed strict run)."""
+    from harness.measure.workloads import Workload
+    from harness.models import TinyRandom, load_pretrained
+
+    model = load_pretrained(TinyRandom(), "float32", "cpu")
+    wl = Workload(kind="file", prompts=[[5, 6, 7, 8], [9, 10, 11]], limits=[4, 8], context=[], texts=["a", "b"])
+    opts_for = wl.opts_for(DecodeOptions(max_new_tokens=wl.max_new_tokens, pad_token_id=0))
+    batches = Greedy().batches(wl.prompts)
+    gens = [Greedy().generate(model, b, opts_for(b)) for b in batches]
+    assert sorted(len(g.sequences[0]) for g in gens) == [4, 8]
+    assert fast_path.check_match(Greedy(), model, batches, opts_for, gens, policy="strict") == \
+        {"compiled_match": 1.0, "compiled_tie_flips": 0.0, "compiled_max_gap_ulps": 0.0}
 
 
 class OneStep(Greedy):
@@ -97,14 +116,14 @@ def test_near_tie_flip_is_recorded_not_failed_and_a_far_token_fails():
 
     opts = DecodeOptions(max_new_tokens=1, cache="static")
     flipped = [Generation(sequences=[[1]], prompt_tokens=1, ttft_s=0.0, step_s=[], decode_tokens=0)]
-    m = fast_path.check_match(OneStep(), None, [[[5]]], opts, flipped)
+    m = fast_path.check_match(OneStep(), None, [[[5]]], lambda b: opts, flipped)
     assert m == {"compiled_match": 0.0, "compiled_tie_flips": 1.0, "compiled_max_gap_ulps": 1.0}
     assert opts.choose is None  # the replay hook is removed again
     with pytest.raises(QuantbenchError, match="compile_match=strict"):
-        fast_path.check_match(OneStep(), None, [[[5]]], opts, flipped, policy="strict")
+        fast_path.check_match(OneStep(), None, [[[5]]], lambda b: opts, flipped, policy="strict")
     far = [Generation(sequences=[[2]], prompt_tokens=1, ttft_s=0.0, step_s=[], decode_tokens=0)]  # 128 ulps down
     with pytest.raises(QuantbenchError, match="128.0 ulps below"):
-        fast_path.check_match(OneStep(), None, [[[5]]], opts, far)
+        fast_path.check_match(OneStep(), None, [[[5]]], lambda b: opts, far)
 
 
 def test_ulp_follows_dtype_and_magnitude():
@@ -114,12 +133,19 @@ def test_ulp_follows_dtype_and_magnitude():
 
 
 @pytest.mark.slow  # one tiny compile (~20-40 s of CPU on 2 cores; cached by inductor afterwards)
-def test_compiled_run_matches_eager_and_keeps_compile_time_out_of_the_timing(compose, results_overrides):
-    compiled = runner.run(compose([*FAST, *COMPILED, *NO_ACC, *results_overrides]))
+def test_compiled_run_matches_eager_and_keeps_compile_time_out_of_the_timing(compose, results_overrides, tmp_path):
+    # the default prompts with lengths of their own (a JSONL workload), the longest FAST's 8: the same compiled
+    # shapes as a plain run (inductor's cache serves the test below), and the check must compare each prompt at
+    # its own length, strictly
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": n}) + "\n"
+                             for p, n in zip(PROMPT_SETS["default"], LIMITS, strict=True)))
+    own = [f"measure.prompts={jsonl}", *NO_ACC, *results_overrides]
+    compiled = runner.run(compose([*FAST, *COMPILED, "measure.compile_match=strict", *own]))
     assert compiled.status == "OK", compiled.error
-    eager = runner.run(compose([*FAST, "measure.cache=static", *NO_ACC, *results_overrides]))
+    eager = runner.run(compose([*FAST, "measure.cache=static", *own]))
     m = compiled.metrics
-    assert m["compiled_match"] == 1.0
+    assert m["compiled_match"] == 1.0 and m["generated_tokens"] == 2 * sum(LIMITS)  # 2 repetitions
     assert compiled.tags["fast_path"] == "compiled" and eager.tags["fast_path"] == "eager"
     assert compiled.tags["measure.compile"] == "true" and compiled.tags["measure.cache"] == "static"
     assert [s["tokens"] for s in compiled.samples] == [s["tokens"] for s in eager.samples]
@@ -171,7 +197,7 @@ def test_fixed_shape_step_uncompiled_reproduces_the_plain_loop():
     plain = [Greedy().generate(model, b, opts) for b in batches]
     fast = fast_path.FastPath(model, device="cpu", max_cache_len=fast_path.max_cache_len(batches, 6) + 7)
     opts.fast_path = fast
-    assert fast_path.check_match(Greedy(), model, batches, opts, plain)["compiled_match"] == 1.0
+    assert fast_path.check_match(Greedy(), model, batches, lambda b: opts, plain)["compiled_match"] == 1.0
     assert fast.eager is False and opts.fast_path is fast and fast.compiled_graphs == 0  # nothing compiled
     assert set(fast._caches) == {1, 2}  # one reused cache per batch size
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -339,9 +340,12 @@ def near_tie_replay(strategy: Any, model: Any, batch: list[list[int]], opts: Any
     return near_tie.replay(lambda: strategy.generate(model, batch, opts), opts, compiled)
 
 
-def check_match(strategy: Any, model: Any, batches: list[list[list[int]]], opts: Any, timed: list[Any],
-                policy: str = "near_tie") -> dict[str, float]:
+def check_match(strategy: Any, model: Any, batches: list[list[list[int]]], opts_for: Callable[[list], Any],
+                timed: list[Any], policy: str = "near_tie") -> dict[str, float]:
     """Compare compiled with eager greedy tokens for every batch (module docstring); fail if unexplained.
+
+    `opts_for(batch)` gives each batch the options it was timed with: with per-prompt max_new_tokens (a JSONL
+    workload) a batch decodes its own length, and eager must decode that length too to be comparable.
 
     The eager reference runs the very same step uncompiled: same fixed-length static cache, same padded
     mask. Only compilation differs. (The plain eager loop sizes its cache per prompt; SDPA over a cache
@@ -350,14 +354,13 @@ def check_match(strategy: Any, model: Any, batches: list[list[list[int]]], opts:
     Returns the metrics `compiled_match` (1 identical, else 0), `compiled_tie_flips` and
     `compiled_max_gap_ulps`.
     """
-    fast = opts.fast_path
+    fast = opts_for(batches[0]).fast_path if batches else None  # one fast path, shared by every batch's options
     if fast is not None:
         fast.eager = True
-    else:
-        opts.fast_path = None
     flips, worst, identical = 0, 0.0, True
     try:
         for batch, gen in zip(batches, timed, strict=False):
+            opts = opts_for(batch)
             eager = strategy.generate(model, batch, opts)
             if eager.sequences == gen.sequences:
                 continue

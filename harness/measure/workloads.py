@@ -100,10 +100,6 @@ def check(model: Any, measure: Any, strategy: Any = None, tokenizer: Any = None)
                               "static cache from the prompts); drop one of them (measure.path=best decodes eager "
                               "at a depth)")
     limits = [lim or measure.max_new_tokens for lim in src.limits]
-    if measure.compile is True and len(set(limits)) > 1:
-        raise QuantbenchError(f"measure.prompts={measure.prompts}: per-prompt max_new_tokens with "
-                              "measure.compile=true is not supported (the compiled output is checked against "
-                              "eager at one length); give every prompt the same length or drop compile")
     ctx = context_length(model)
     if ctx is None:
         return

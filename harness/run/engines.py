@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,12 +155,12 @@ class TransformersSession(Session):
     def generate(self, batch: list[list[int]], opts: Any) -> measure.Generation:
         return self.exp.strategy.generate(self.model, batch, opts)
 
-    def after_timing(self, batches: list, opts: Any, gens: list[measure.Generation]) -> Record:
+    def after_timing(self, batches: list, opts_for: Callable[[list], Any], gens: list[measure.Generation]) -> Record:
         if not self.fast:
             return {}, {}
         m = self.exp.measure
         metrics = {"compile_s": self.fast.compile_s}
-        metrics.update(fast_path.check_match(self.exp.strategy, self.model, batches, opts, gens, m.compile_match))
+        metrics.update(fast_path.check_match(self.exp.strategy, self.model, batches, opts_for, gens, m.compile_match))
         return metrics, {"measure.compile_match": m.compile_match}
 
     def kernel_profile(self, batch: list[list[int]], opts: Any, log_file: Path) -> Record:

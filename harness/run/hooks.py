@@ -12,6 +12,7 @@ Hooks that produce numbers return `(metrics, tags)`; the pipeline records them.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,9 @@ class Session:
         """One generate call of a batch of prompt ids, timed inside (harness/measure/__init__.py `Generation`)."""
         raise NotImplementedError
 
-    def after_timing(self, batches: list, opts: Any, gens: list[Generation]) -> Record:
-        """Checks of the timed generations that need the engine (compiled vs eager tokens)."""
+    def after_timing(self, batches: list, opts_for: Callable[[list], Any], gens: list[Generation]) -> Record:
+        """Checks of the timed generations that need the engine (compiled vs eager tokens); `opts_for(batch)`: the
+        options the batch was timed with."""
         return {}, {}
 
     def kernel_profile(self, batch: list[list[int]], opts: Any, log_file: Path) -> Record:

@@ -155,7 +155,7 @@ class Pipeline:
         finally:
             self._meter = None
         joules = meter.stop()
-        self._add(self.session.after_timing(self.batches, self.opts, gens))
+        self._add(self.session.after_timing(self.batches, self.opts_for, gens))  # each batch at its length
         self.metrics.update(measure.summarize(gens, batches=len(self.batches)))
         if problem := headline_problem(headline(self.workload), self.metrics, gens, self.exp.measure):
             raise QuantbenchError(problem)  # the run ends FAILED with this line, before the scoring
