@@ -355,7 +355,10 @@ class Speculative(Strategy):
             "draft_time_fraction": draft_s / (draft_s + verify_s) if draft_s + verify_s else float("nan"),
             "greedy_first_fraction": (sum(g.stats.get("greedy_first", 0.0) for g in generations) / len(generations)
                                       if generations else float("nan")),
-            "greedy_decode_tokens_per_s": percentile([g.stats["greedy_decode_tokens_per_s"] for g in generations], 50),
+            # over the references that decoded (a first token at EOS, a one-token limit: NaN), as summarize() takes
+            # the headline over the calls that decoded; one NaN would make the whole median NaN
+            "greedy_decode_tokens_per_s": percentile([v for g in generations
+                                                      if (v := g.stats["greedy_decode_tokens_per_s"]) == v], 50),
             # same prompts, same target, same tokens out: the ratio of wall times is the speedup
             "speedup_vs_greedy": sum(g.stats["greedy_e2e_s"] for g in generations) / spec_s if spec_s else float("nan"),
         }

@@ -128,6 +128,21 @@ def test_acceptance_counts_rejected_draft_tokens(target):
     assert m["acceptance_rate"] == pytest.approx(10 / 36) and m["mean_accepted_tokens"] == 1.0
 
 
+def test_the_greedy_reference_rate_is_a_median_over_the_references_that_decoded():
+    """A reference whose first token is EOS (or a one-token limit) decodes nothing: its rate is NaN and is left out,
+    as summarize() leaves such calls out of the headline; it made the whole median NaN."""
+    from harness.measure import Generation
+
+    def call(greedy_rate):
+        gen = Generation(sequences=[[1, 2]], prompt_tokens=3, ttft_s=0.01, step_s=[0.01], decode_tokens=1)
+        gen.stats.update(steps=[(2, 0)], draft_s=0.0, verify_s=0.01, greedy_e2e_s=0.02,
+                         greedy_decode_tokens_per_s=greedy_rate, greedy_match=1.0)
+        return gen
+
+    m = Speculative(draft="prompt_lookup").metrics([call(700.0), call(float("nan")), call(720.0), call(float("nan"))])
+    assert m["greedy_decode_tokens_per_s"] == pytest.approx(710.0)
+
+
 def test_a_draft_model_that_needs_no_grad_runs_under_no_grad(target):
     """quanto int4 fails under inference_mode; its mark on the draft (not on the target) must pick no_grad."""
     draft = load_pretrained(TinyRandom(), "bfloat16", "cpu")
