@@ -12,6 +12,7 @@ import urllib.parse
 from typing import Any
 
 from harness.errors import ConfigError
+from harness.secret_uri import has_password, redact
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -42,13 +43,12 @@ def no_password(problems: list[str], name: str, uri: str, fix: str) -> None:
     """A URI setting must not hold a password: the command line (`ps`), logs, result JSONs and MLflow params would
     all show it. The problem names the URI with the password masked, and `fix` says where the secret goes."""
     try:
-        parts = urllib.parse.urlsplit(str(uri))
+        urllib.parse.urlsplit(str(uri))
     except ValueError as exc:
         problems.append(f"{name} is not a URI ({exc})")
         return
-    if parts.password is not None:
-        masked = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
-        problems.append(f"{name} ({masked}) holds a password, which the command line, logs, results and MLflow "
+    if has_password(uri):  # in the user info or the query string, as the store's driver reads it (secret_uri.py)
+        problems.append(f"{name} ({redact(uri)}) holds a password, which the command line, logs, results and MLflow "
                         f"params would show; give the URI without it and {fix}")
 
 

@@ -47,6 +47,11 @@ def test_default_config_is_the_embedded_model_bf16_greedy(compose):
     ("tracking.uri=postgresql://mlflow:hunter2@db:5432/mlflow",  # refused, and the message does not repeat it
      "tracking.uri (postgresql://mlflow:***@db:5432/mlflow) holds a password"),
     ("load.url=http://bob:hunter2@127.0.0.1:8080", "load.url (http://bob:***@127.0.0.1:8080) holds a password"),
+    # what urlsplit misses and the database driver reads: a password in the query string, or holding a / or #
+    ("tracking.uri='postgresql://mlflow@db/mlflow?password=hunter2'",
+     "tracking.uri (postgresql://mlflow@db/mlflow?password=***) holds a password"),
+    ("tracking.uri='mysql://mlflow:hun/ter2@db:3306/mlflow'", "tracking.uri (mysql://mlflow:***@db:3306/mlflow) holds"),
+    ("tracking.uri='postgresql://mlflow:hunter2#x@db/mlflow'", "tracking.uri (postgresql://mlflow:***@db/mlflow) holds"),
 ])
 def test_invalid_values_name_the_field_and_allowed_values(compose, override, expected):
     with pytest.raises(ConfigError) as info:

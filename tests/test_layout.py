@@ -60,6 +60,7 @@ LAZY_OK: dict[str, str] = {
     "statsmodels": "tasks extra (McNemar); imports scipy and pandas",
     "arch": "optional bootstrap library for the gate (issue #24 item 7); imports scipy, statsmodels, pandas",
     "pynvml": "optional (nvidia-ml-py), only on NVIDIA GPUs for energy",
+    "sqlalchemy": "~0.2 s; the config check parses with it only a URI that can hold a password (harness/secret_uri.py)",
     "psycopg": "optional PostgreSQL driver, only for a postgresql:// tracking store",
     "psycopg2": "optional PostgreSQL driver, only for a postgresql:// tracking store",
     "huggingface_hub": "its download stack (httpx, file locks, cache scan) is only needed when fetching a model",

@@ -195,6 +195,11 @@ def test_the_ui_refuses_a_store_uri_with_a_password(capsys):
     assert ui.main(["--backend-store-uri", "postgresql://mlflow:s3cret-pw@127.0.0.1:9/x", "--links"]) == 2
     err = capsys.readouterr().err
     assert "holds a password" in err and "s3cret-pw" not in err and "mlflow:***@" in err
+    # in the query string (libpq takes it from there): refused too, and masked, before `mlflow ui` gets it in argv
+    assert ui.main(["--backend-store-uri", "postgresql://mlflow@127.0.0.1:9/x?sslmode=off&password=s3cret-pw",
+                    "--links"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a password" in err and "s3cret-pw" not in err and "password=***" in err, err
 
 
 def test_make_ui_starts_mlflow_without_its_job_runner(tmp_path, monkeypatch):

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import QuantbenchError
+from harness.secret_uri import has_password, redact
 
 PG_USER = "quantbench"  # the cluster's superuser (a role name, not a system user)
 PASSWORD_FILE = "quantbench.pgpass"  # in the data dir: `127.0.0.1:*:*:quantbench:<password>`, mode 0600
@@ -209,15 +210,6 @@ def backend_uri_for(uri: str) -> str:
     return uri
 
 
-def redact(uri: str) -> str:
-    """`uri` with its password masked, for anything printed or logged."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
 def mlflow_launch(backend_uri: str, artifacts_dir: Path, port: int, workers: int = 2,
                   client_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The `mlflow server` command line and environment: loopback only, artifacts proxied from a local folder.
@@ -323,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=5000)
     ap.add_argument("--log", default="results/mlflow-server.log")
     args = ap.parse_args(argv)
-    if args.backend_store_uri and urllib.parse.urlsplit(args.backend_store_uri).password is not None:
+    if args.backend_store_uri and has_password(args.backend_store_uri):
         print(f"error: --backend-store-uri {redact(args.backend_store_uri)!r} holds a password, which `ps` shows to "
               f"every user; give the URI without it and put the password in ~/.pgpass (or PGPASSFILE), or pass the "
               f"URI in ${URI_ENV}", file=sys.stderr)

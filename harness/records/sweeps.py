@@ -26,8 +26,8 @@ from harness.metrics import HEADLINE
 from harness.records.mlflow_runs import client, run_config
 from harness.records.results import invocation_cells, read_json, sweep_baseline
 from harness.records.rows import rows_for
-from harness.records.server import redact
 from harness.records.sqlite_seed import missing_store
+from harness.secret_uri import redact
 from harness.sweep.resume import REUSED_TAG
 
 DRIFT_FILE = "drift.json"  # results/<sweep>/drift.json: the drift probe (harness/sweep/drift.py)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import urllib.parse
 
 from harness.config import TrackingConfig
 from harness.records.mlflow_runs import runs_url
-from harness.records.server import SERVER_ENV, backend_uri_for, redact
+from harness.records.server import SERVER_ENV, backend_uri_for
 from harness.records.sqlite_seed import missing_store
+from harness.secret_uri import has_password, redact
 
 HOST = "127.0.0.1"  # loopback only: the UI can change and delete runs
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                          "starts 4 servers)")
     ap.add_argument("--links", action="store_true", help="print the links and exit, without starting the UI")
     args = ap.parse_args(argv)
-    if urllib.parse.urlsplit(args.backend_store_uri).password is not None:  # `ps` shows a command line to everyone
+    if has_password(args.backend_store_uri):  # `ps` shows a command line to everyone
         print(f"error: --backend-store-uri {redact(args.backend_store_uri)!r} holds a password, which `ps` shows to "
               "every user; give the URI without it and put the password in ~/.pgpass (or PGPASSFILE)", file=sys.stderr)
         return 2
