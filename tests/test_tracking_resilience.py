@@ -310,3 +310,22 @@ def test_a_sweep_recorded_while_mlflow_was_down_uploads_under_one_parent_run_clo
                        tracking=dataclasses.asdict(dataclasses.replace(dead, uri=live_uri)), code="c0")
     assert open_parent_run(again, settled["parent_run_id"]) == parent.info.run_id
     assert len(runs_of(live_uri, dead.experiment)) == 3
+
+
+def test_an_explicit_sqlite_store_keeps_its_artifacts_beside_the_database(tmp_path, monkeypatch):
+    """Not MLflow's default ./mlruns under the folder the run started in (a checkout, a home folder)."""
+    from harness.records.mlflow_runs import artifacts_beside
+
+    assert artifacts_beside("sqlite:////data/x/m.db") == "file:///data/x/mlartifacts"
+    assert artifacts_beside("http://127.0.0.1:5000") is None and artifacts_beside("sqlite:///:memory:") is None
+    start = tmp_path / "elsewhere"
+    start.mkdir()
+    monkeypatch.chdir(start)
+    store = tmp_path / "store"
+    tcfg = TrackingConfig(uri=f"sqlite:///{store}/m.db", results_dir=str(tmp_path / "results"), experiment="beside")
+    store.mkdir()
+    path = tracking.record(fake_result("beside", 3.0, tcfg), tcfg)
+    run = runs_of(tcfg.uri, "beside")[0]
+    assert json.loads(path.read_text())["mlflow_run_id"] == run.info.run_id
+    assert run.info.artifact_uri.startswith((store / "mlartifacts").as_uri()), run.info.artifact_uri
+    assert (store / "mlartifacts").is_dir() and not (start / "mlruns").exists()

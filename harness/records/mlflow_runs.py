@@ -203,6 +203,16 @@ def client(tcfg: TrackingConfig) -> BoundedClient:
     return BoundedClient(MlflowClient(tracking_uri=seeded(backend_uri_for(tcfg.resolved_uri()))), tcfg)
 
 
+def artifacts_beside(uri: str) -> str | None:
+    """A local SQLite store's artifact folder: `mlartifacts` beside the database file (the default store's is
+    results/mlartifacts), not MLflow's default ./mlruns under whatever folder the run started in. A server or
+    a remote database keeps its own default (None)."""
+    if not uri.startswith("sqlite:///") or uri in ("sqlite:///", "sqlite:///:memory:"):
+        return None
+    db = uri[len("sqlite:///"):].split("?", 1)[0]  # sqlite:////abs/m.db -> /abs/m.db; sqlite:///rel.db -> rel.db
+    return (Path(os.path.abspath(db)).parent / "mlartifacts").as_uri()
+
+
 def experiment_id(c: Any, tcfg: TrackingConfig, name: str | None = None) -> str:
     """Id of experiment `name` (default `tcfg.experiment`), created if missing; either way it ends up
     tagged as model development (`ensure_experiment_kind`)."""
@@ -211,9 +221,7 @@ def experiment_id(c: Any, tcfg: TrackingConfig, name: str | None = None) -> str:
     if exp is not None:
         ensure_experiment_kind(c, exp)
         return exp.experiment_id
-    location = None
-    if not tcfg.uri:  # local store: keep artifacts beside the database, not in the cwd
-        location = Path(os.path.abspath(os.path.join(tcfg.results_dir, "mlartifacts"))).as_uri()
+    location = artifacts_beside(tcfg.resolved_uri())
     try:
         return c.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:  # noqa: BLE001 - created concurrently by another process
