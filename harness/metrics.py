@@ -143,7 +143,7 @@ _TABLE: list[Metric] = [
     Metric("kernel_stream_gb", "GB", _N, "profile", "stored bytes of the weight matrices in that pass"),
     Metric("linear_floor_ms", "ms", _L, "profile", "own linears once at one row: a CUDA graph replay (GPU), eager (CPU)"),
     Metric("linear_floor_spread_ms", "ms", _L, "profile", "max - min of that pass over the timed replays or passes"),
-    Metric("linear_floor_share", "ratio", _N, "profile", "linear_floor_ms / the decode step (batch / decode tokens/s)"),
+    Metric("linear_floor_share", "ratio", _N, "profile", "linear_floor_ms / the decode step (batch / decode tokens/s); none for speculative"),
     Metric("step_rest_ms", "ms", _L, "profile", "decode step - linear_floor_ms: attention, norms, sampling, overhead"),
     # ---- memory (harness/measure/__init__.py)
     Metric("peak_mem_mb", "MiB", _L, "memory", "peak RSS on CPU from loading through the timed decode (reset "

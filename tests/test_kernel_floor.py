@@ -276,6 +276,23 @@ def test_the_decode_step_is_batch_over_tokens_per_second():
         assert floor.decode_step_ms(bad) is None
 
 
+def test_a_speculative_step_is_a_verify_steps_tokens_and_is_not_set_against_the_floor():
+    """A speculative step (draft + verify) emits tokens_per_verify_step tokens: its length is those over tokens/s, as
+    the roofline counts it. Was batch / tokens/s, 5x too short here: a 15 ms floor read 'above the 10 ms step' (a
+    false warning.floor) of a 50 ms step. Nor is the floor (the target's linears once, one row) a fair measure of that
+    step's linear work (k draft forwards, a k+1-row verify): no share, no rest, a tag that says why."""
+    m = {"decode_tokens_per_s": 100.0, "batch_size": 1.0, "tokens_per_verify_step": 5.0, "num_draft_tokens": 4.0}
+    assert floor.decode_step_ms(m) == pytest.approx(50.0)
+    for per_step in (5.0, float("nan")):  # NaN: no verify step ran; still not compared
+        got, tags = floor.step_report({**m, "tokens_per_verify_step": per_step, "linear_floor_ms": 15.0})
+        assert got == {} and list(tags) == ["kernel.floor_share"], tags
+        assert tags["kernel.floor_share"].startswith("not compared: a speculative step (up to 4 draft tokens and one "
+                                                     "verify of up to 5 of the target")
+    assert floor.step_report(m) == ({}, {})  # no floor measured: nothing to say
+    greedy = {"decode_tokens_per_s": 100.0, "batch_size": 1.0, "linear_floor_ms": 15.0}  # one target forward: compared
+    assert floor.step_report(greedy)[1]["warning.floor"].startswith("linear floor 15.000")
+
+
 def test_stream_rate_takes_the_floor_pass_wall_on_cpu_instead_of_timing_again():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)).eval()
     assert one_row.stream_rate(model, torch.float32, "cpu", False, wall_ms=12.5)["kernel_stream_wall_ms"] == 12.5

@@ -137,9 +137,9 @@ def test_the_heap_is_handed_back_after_the_kernel_profile_before_the_accuracy_pa
     pipeline = pl
 
     events: list[str] = []
-    trim, report, accuracy = measure.trim_heap, pipeline.floor.floor_report, Pipeline.accuracy
+    trim, report, accuracy = measure.trim_heap, pipeline.floor.step_report, Pipeline.accuracy
     monkeypatch.setattr(measure, "trim_heap", lambda: (events.append("trim"), trim())[1])
-    monkeypatch.setattr(pipeline.floor, "floor_report", lambda *a: (events.append("profile"), report(*a))[1])
+    monkeypatch.setattr(pipeline.floor, "step_report", lambda *a: (events.append("profile"), report(*a))[1])
     monkeypatch.setattr(Pipeline, "accuracy", lambda self: (events.append("accuracy"), accuracy(self))[1])
     res = runner.run(compose([*FAST, *results_overrides, "tracking.enabled=false"]))
     assert res.status == "OK", res.error

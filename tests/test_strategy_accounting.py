@@ -15,7 +15,7 @@ import torch
 from harness.analysis import roofline
 from harness.analysis.bandwidth import Bandwidth
 from harness.config import build
-from harness.measure import Generation, memory
+from harness.measure import Generation, floor, kernels, memory, summarize
 from harness.models import TinyRandom, load_pretrained
 from strategies.base import DecodeOptions
 from strategies.continuous_batch import ContinuousBatch
@@ -351,3 +351,44 @@ def test_injected_slowdown_stretches_each_speculative_step(target, monkeypatch):
                                                                  kw.get("inject_work", 0.0)) for c in calls)
         assert sum(gen.step_s) == pytest.approx(steps + sum(c[2] for c in calls))  # the steps' times include it
         assert gen.stats["verify_s"] >= steps  # counted with the target's step (the real cost is on the wall clock)
+
+
+def test_a_speculative_run_is_not_flagged_against_the_floor_row(target):
+    """The pipeline's floor report (floor.step_report(metrics)) on a speculative run whose
+    draft accepts everything (the target itself: 5 tokens a verify step): the step is tokens_per_verify_step over
+    tokens/s, and it is not set against the one-row floor. Was: batch / tokens/s, the share 5x too high, and a floor
+    between a token's time and the step's read as a false warning.floor."""
+    strategy = Speculative(draft="model", num_draft_tokens=4)
+    gen = speculative_generate(target, [5, 6, 7, 8, 9], DecodeOptions(max_new_tokens=21), ModelDrafter(target, "cpu"), 4)
+    gen.stats.update(greedy_e2e_s=1.0, greedy_decode_tokens_per_s=1.0, greedy_match=1.0)
+    m = {**summarize([gen], batches=1), **strategy.metrics([gen])}
+    token_ms = 1e3 / m["decode_tokens_per_s"]
+    assert m["tokens_per_verify_step"] == 5.0 and floor.decode_step_ms(m) == pytest.approx(5 * token_ms)
+    got, tags = floor.step_report({**m, "linear_floor_ms": 2 * token_ms})
+    assert got == {} and list(tags) == ["kernel.floor_share"] and tags["kernel.floor_share"].startswith("not compared")
+
+
+def test_the_kernel_profile_leaves_out_the_greedy_reference(target, monkeypatch):
+    """A speculative run's kernel profile (a whole generation: its loop never calls the decode hook) covers the
+    speculative loop alone. Was: generate() with its greedy reference, whose forwards were counted as the strategy's
+    (35 linear calls per step here, 14 for greedy), and tag kernel.profiled did not say so."""
+    import strategies.speculative as spec
+
+    strategy = Speculative(draft="prompt_lookup", num_draft_tokens=4)
+    strategy.setup(model=target, tokenizer=None, opts=DecodeOptions(), experiment=None)
+    prompt, forwards, references = [5, 6, 7, 8, 9, 5, 6, 7], [], []
+    real = spec.greedy_generate
+    monkeypatch.setattr(spec, "greedy_generate", lambda *a, **k: references.append(1) or real(*a, **k))
+    handle = target.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:  # the loop alone, as long as the profile's: its prefill and verify forwards are what the profile should see
+        speculative_generate(target, prompt, DecodeOptions(max_new_tokens=kernels.PROFILE_TOKENS + 1),
+                             strategy._drafter, 4)
+        alone, forwards[:] = len(forwards), []
+        tags, _ = kernels.profile_linear(strategy, target, [prompt], DecodeOptions(max_new_tokens=64))
+    finally:
+        handle.remove()
+    assert references == [] and len(forwards) == alone
+    per_step = alone * kernels.body_linears(target) / kernels.PROFILE_TOKENS  # the profile's totals / its 4 tokens
+    assert tags["kernel.linear_calls_per_step"] == str(round(per_step)), tags
+    assert tags["kernel.profiled"] == ("whole generation, prefill included (5 tokens a row; per step = total / 4): "
+                                       "the speculative loop alone (draft + verify forwards), not its greedy reference")

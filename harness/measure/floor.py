@@ -15,7 +15,8 @@ no second copy of the weights is made:
 
 Metrics `linear_floor_ms` (median), `linear_floor_spread_ms` (max - min over the timed passes); tag `kernel.floor`
 says how it was measured. `floor_report` sets it against the run's decode step (`linear_floor_share`,
-`step_rest_ms`). Modules are called as nn.Modules. Under torch.compile a tensor-subclass format (torchao) reaches
+`step_rest_ms`; `step_report`), where that step is one target forward: a speculative step is not compared. Modules
+are called as nn.Modules. Under torch.compile a tensor-subclass format (torchao) reaches
 another kernel than its eager dispatch does, so where the run's step was compiled on CUDA and the format's eager call
 dequantizes the whole weight (`eager_dequantizes`, quantizers/base.py: torchao int8), the pass is compiled too, with
 the step's inductor flags (`compiled_pass`), then captured; formats that call one kernel eager and compiled (cuBLAS,
@@ -166,19 +167,53 @@ def linear_floor(model: Any, dtype: Any, device: str, gemv_aten: bool = False, r
     return summary(times, len(mods), how)
 
 
+def positive(value: Any) -> bool:
+    """A finite number above 0 (NaN, inf and non-numbers are not)."""
+    return isinstance(value, (int, float)) and 0 < value < float("inf")
+
+
+def speculative_apart(metrics: dict) -> str:
+    """Why a speculative step is not set against the floor row.
+
+    The floor is one pass of the target's linears at one row: the linear work of a greedy step. A speculative step
+    is k draft forwards (the draft model's linears k times; none for prompt lookup) plus one verify forward of the
+    target at k+1 rows, another shape than the floor's (on CPU the one-row gemv paths, measure.gemv, take one row
+    only). floor / step would read as the linear layers' share of the step while the draft's and the verify's extra
+    linear work sat in `step_rest_ms`, which says attention, norms and overhead, and a greedy run's share and this
+    one would be two different ratios under one name. No fair floor for that step exists here, so neither is
+    reported; `linear_floor_ms` itself (the model and format's one-row pass) stands."""
+    k = metrics.get("num_draft_tokens")
+    drafts = f"up to {k:g} draft tokens and one verify of up to {k + 1:g}" if positive(k) else "a draft and one verify"
+    return (f"not compared: a speculative step ({drafts} of the target, "
+            f"{metrics.get('tokens_per_verify_step', float('nan')):.2f} tokens a step) is not the one target forward "
+            "at one row the floor times; its share would count the draft's and the verify's linears as the rest")
+
+
 def decode_step_ms(metrics: dict) -> float | None:
-    """The run's decode step in ms: batch / decode tokens per s (harness/analysis/roofline.py's steps per second)."""
-    tps, batch = metrics.get("decode_tokens_per_s"), metrics.get("batch_size", 1) or 1
-    if not isinstance(tps, (int, float)) or not tps > 0 or tps == float("inf"):
+    """The run's decode step in ms: the tokens a step emits / decode tokens per s, as harness/analysis/roofline.py
+    counts a step (StepWork.tokens_per_step): the batch, or `tokens_per_verify_step` for a speculative step (batch /
+    tokens per s read that step that many times too short)."""
+    tps = metrics.get("decode_tokens_per_s")
+    per_step = metrics.get("tokens_per_verify_step", metrics.get("batch_size", 1) or 1)
+    if not (positive(tps) and positive(per_step)):
         return None
-    return 1e3 * float(batch) / float(tps)
+    return 1e3 * float(per_step) / float(tps)
+
+
+def step_report(metrics: dict) -> tuple[dict[str, float], dict[str, str]]:
+    """The run's decode step against its floor row (`floor_report`), where the step is one target forward; a
+    speculative step is not compared, and tag `kernel.floor_share` says why (`speculative_apart`)."""
+    floor_ms = metrics.get("linear_floor_ms")
+    if "tokens_per_verify_step" in metrics:
+        return ({}, {"kernel.floor_share": speculative_apart(metrics)}) if positive(floor_ms) else ({}, {})
+    return floor_report(decode_step_ms(metrics), floor_ms)
 
 
 def floor_report(step_ms: float | None, floor_ms: float | None) -> tuple[dict[str, float], dict[str, str]]:
     """(metrics, tags): `linear_floor_share` = floor / step and `step_rest_ms` = step - floor, what the step
     spends beyond its linear layers. A floor above the step (share > 1, negative rest) is kept and tagged
     `warning.floor`: the floor pass then ran a slower path than the step did, which is the finding to read."""
-    if not all(isinstance(v, (int, float)) and 0 < v < float("inf") for v in (step_ms, floor_ms)):
+    if not all(positive(v) for v in (step_ms, floor_ms)):
         return {}, {}
     out = {"linear_floor_share": floor_ms / step_ms, "step_rest_ms": step_ms - floor_ms}
     if floor_ms <= step_ms:

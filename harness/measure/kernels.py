@@ -16,7 +16,9 @@ of a small model, so a single "dominant op" would read `aten::mm` and tell a rea
 to a dequantized path when it did not. Ops are told apart by shape: the output projection's operands
 carry the vocabulary dimension (the output embedding's row count), which no body layer has, or the
 exact shape of a tensor the head holds (quantizers/rows8.py's tiled copy). A strategy that never calls the hook
-(its own loop) is profiled whole, prefill included (tag `kernel.profiled=whole generation`).
+(its own loop) is profiled whole, prefill included (tag `kernel.profiled=whole generation ...`, `whole_scope`), through
+its `profiled_generate` where it has one: the generation the timing measures without the work a generate call runs
+beside it (speculative decoding's greedy reference, which doubled the profiled linear calls per step).
 
 On a CUDA model the same pass also records CUDA activity, and the tags come from the device kernels instead
 (harness/measure/cuda_kernels.py): a compiled step replays a CUDA graph, so no ATen op shows on the host, but
@@ -204,6 +206,14 @@ def model_device(model: Any) -> str:
     return first.device.type if first is not None else "cpu"
 
 
+def whole_scope(strategy: Any, tokens: int) -> str:
+    """Tag `kernel.profiled` of a whole-generation profile: what ran under the profiler, and what its per-step
+    values are (the profile's totals over `tokens`: the prefill and each row's decode steps are not told apart)."""
+    part = getattr(strategy, "profiled_part", "")  # a strategy's `profiled_generate` says what it leaves out
+    return (f"whole generation, prefill included ({tokens + 1} tokens a row; per step = total / {tokens})"
+            + (f": {part}" if part else ""))
+
+
 def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
                    tokens: int = PROFILE_TOKENS) -> tuple[dict[str, str], dict[str, float]]:
     """Profile `tokens` decode steps of one generation of `batch`; returns (tags, metrics)."""
@@ -232,8 +242,10 @@ def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
             whole = not state["started"]
         if whole:  # the strategy runs its own loop: profile the whole (short) generation
             short = dataclasses.replace(opts, max_new_tokens=tokens + 1)
+            # the measured generation alone where generate() runs more beside it (speculative's greedy reference)
+            run = getattr(strategy, "profiled_generate", strategy.generate)
             prof.start()
-            strategy.generate(model, batch, short)
+            run(model, batch, short)
             state["steps"] = tokens
         prof.stop()
     except Exception as exc:  # noqa: BLE001 - a profile that fails must not fail the measured run
@@ -253,7 +265,7 @@ def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
         found = dominant_linear(events, state["steps"] or tokens, vocab_rows(model), head_shapes(model),
                                 wrapper_names(prof.events()), body_linears(model))
     tags = {k: v for k, v in found.items() if k.startswith("kernel.")}
-    tags["kernel.profiled"] = "whole generation" if whole else f"{state['steps'] or tokens} decode steps"
+    tags["kernel.profiled"] = whole_scope(strategy, tokens) if whole else f"{state['steps'] or tokens} decode steps"
     metrics = {k: v for k, v in found.items() if not k.startswith("kernel.")}
     log.info("kernel.linear=%s (%s of profiled decode time), output projection %s (%s)", tags["kernel.linear"],
              tags.get("kernel.linear_share", "?"), tags.get("kernel.lm_head", "?"), tags.get("kernel.lm_head_share", "?"))

@@ -175,7 +175,7 @@ class Pipeline:
             first = self.batches[0]
             self._add(self.session.kernel_profile(first, self.opts_for(first), self.log_file))
             # the step against its floor row: linear layers' share and the rest (harness/measure/floor.py)
-            self._add(floor.floor_report(floor.decode_step_ms(metrics), metrics.get("linear_floor_ms")))
+            self._add(floor.step_report(metrics))
             # the profiler's event tables stay in the C heap after they are freed (~150 MB on SmolLM2's default
             # run), under the accuracy pass that comes next: handed back, that pass peaks lower
             gc.collect()
