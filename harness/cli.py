@@ -8,8 +8,11 @@ and exit 2 before any model loads, instead of Hydra's multi-line report (exit 1)
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -105,6 +108,9 @@ def precheck(argv: list[str]) -> str | None:
         if (plain := not_in_base(exc, base)):  # a swept option's key, but written without ++: Hydra would fail
             return plain
     multirun = any(a in HYDRA_RUN_FLAGS for a in argv) or str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    out = "sweep" if multirun else "run"
+    if (problem := output_dir_problem(f"hydra.{out}.dir", OmegaConf.to_container(cfg.hydra[out])["dir"])):
+        return problem
     if sweeps and not multirun:
         return (f"{sweeps[0]!r} lists several values: add -m (--multirun) to sweep them, or write key=[a,b] for a "
                 "list value")
@@ -125,6 +131,21 @@ def precheck(argv: list[str]) -> str | None:
     if multirun:
         return time_limit_problem(cfg.hydra.launcher, settings.timeout_s, settings.startup_timeout_s,
                                   len(planned or []) or 1)
+    return None
+
+
+def output_dir_problem(key: str, raw: str) -> str | None:
+    """One line when Hydra could not write its output folder `raw` (Hydra fails there with a traceback, after a
+    sweep opened its MLflow parent run). The part before any interpolation (`${now:...}` resolves later) is made, as
+    Hydra would make it, and written to."""
+    static = str(raw).split("${", 1)[0]
+    folder = Path(static if static == raw or static.endswith("/") else os.path.dirname(static) or ".")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"{key}={raw} cannot be written ({exc.strerror or exc}); pick a folder you can write to"
     return None
 
 

@@ -171,3 +171,16 @@ def test_a_bool_field_takes_0_and_1_as_omegaconf_converts_them(compose):
     exp = build(compose(["model=tiny_random", "accuracy.enabled=0", "measure.compile_freezing=1",
                          "measure.path=freezing"]))
     assert exp.accuracy.enabled is False and exp.measure.compile_freezing is True
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_an_output_folder_hydra_cannot_write_is_one_line_before_anything_runs(tmp_path, sweep):
+    """Hydra would fail there with a traceback (15-38 lines), a sweep after opening its MLflow parent run."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a folder below a file: not even root can make it
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    argv = ["-m", "quantizer=none,bf16"] if sweep else []
+    problem = precheck([*argv, "model=tiny_random", f"{key}={blocked}/out"])
+    assert problem == f"{key}={blocked}/out cannot be written (Not a directory); pick a folder you can write to"
+    assert precheck([*argv, "model=tiny_random", f"{key}={tmp_path}/out/${{now:%H-%M-%S}}"]) is None
+    assert (tmp_path / "out").is_dir() and not list((tmp_path / "out").iterdir())  # made as Hydra would, nothing in it
