@@ -329,3 +329,18 @@ def test_an_explicit_sqlite_store_keeps_its_artifacts_beside_the_database(tmp_pa
     assert json.loads(path.read_text())["mlflow_run_id"] == run.info.run_id
     assert run.info.artifact_uri.startswith((store / "mlartifacts").as_uri()), run.info.artifact_uri
     assert (store / "mlartifacts").is_dir() and not (start / "mlruns").exists()
+
+
+def test_a_down_database_store_is_bounded_by_the_timeout_too(tmp_path):
+    """MLflow makes a database store's engine in 10 attempts with ~100 s of sleep between them (was 103 s here, with
+    timeout_s=1): one attempt per call of ours, the result kept and the error recorded within seconds."""
+    tcfg = TrackingConfig(uri=f"postgresql://qb@127.0.0.1:{closed_port()}/mlflow", results_dir=str(tmp_path),
+                          timeout_s=1.0, retries=1, experiment="pg-down")
+    t0 = time.monotonic()
+    path = tracking.record(fake_result("pg-down", 1.0, tcfg), tcfg)
+    assert time.monotonic() - t0 < 20
+    data = json.loads(path.read_text())
+    assert data["mlflow_run_id"] == "" and "OperationalError" in data["tags"]["tracking_error"]
+    from mlflow.store.db import utils as db_utils
+
+    assert db_utils.MAX_RETRY_COUNT == 10  # MLflow's own default is back after our calls

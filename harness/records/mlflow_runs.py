@@ -115,6 +115,9 @@ def run_config(c: Any, run_id: str, params: dict[str, str]) -> dict:
                                        for k in cut}})
 
 
+DB_SCHEMES = ("postgresql", "mysql", "mssql")  # MLflow's database stores other than SQLite (`bounded_db`)
+
+
 def retry(fn: Callable[[], Any], tcfg: TrackingConfig, what: str) -> Any:
     """Call fn with bounded exponential backoff + jitter.
 
@@ -149,13 +152,35 @@ def bounded_http(tcfg: TrackingConfig) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
     try:
-        yield
+        with bounded_db(tcfg):
+            yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def bounded_db(tcfg: TrackingConfig) -> Iterator[None]:
+    """One attempt at a database store's engine per call of ours; `retry` does the rest, within tracking.timeout_s.
+
+    MLflow makes a database store's engine in up to 10 attempts with 0.1 ... 51.1 s of sleep between them (~100 s,
+    `mlflow.store.db.utils.MAX_RETRY_COUNT`, read per call), for every client made: a down PostgreSQL cost each run,
+    and a sweep's start, each cell and its end, that long whatever tracking.timeout_s said. SQLite (local, and
+    serialized by `store_lock`) keeps MLflow's default."""
+    if tcfg.resolved_uri().split(":", 1)[0].split("+", 1)[0] not in DB_SCHEMES:
+        yield
+        return
+    from mlflow.store.db import utils as db_utils  # heavy: see `client`
+
+    saved = db_utils.MAX_RETRY_COUNT
+    db_utils.MAX_RETRY_COUNT = 1
+    try:
+        yield
+    finally:
+        db_utils.MAX_RETRY_COUNT = saved
 
 
 @contextlib.contextmanager
@@ -200,7 +225,9 @@ def client(tcfg: TrackingConfig) -> BoundedClient:
     """An MLflow client of `tcfg`'s store, every call bounded (`BoundedClient`)."""
     from mlflow.tracking import MlflowClient  # heavy (seconds): only where MLflow is really contacted
 
-    return BoundedClient(MlflowClient(tracking_uri=seeded(backend_uri_for(tcfg.resolved_uri()))), tcfg)
+    with bounded_http(tcfg):  # a database store's engine is made here, with MLflow's retries (`bounded_db`)
+        inner = MlflowClient(tracking_uri=seeded(backend_uri_for(tcfg.resolved_uri())))
+    return BoundedClient(inner, tcfg)
 
 
 def artifacts_beside(uri: str) -> str | None:
