@@ -29,7 +29,8 @@ kernel rejects group size 128 at K=576 on SmolLM2); on CUDA the GPU path table's
 below; tags `gpu.arch`, `quantizer.gpu_path`, `quantizer.gpu_path_by`, and `quantizer.kernel`). Honesty note:
 `gptq_torch_int8` re-packs the 4-bit GPTQ values into int8 with per-channel scales at load time, so what
 is stored in memory is ~8.x bits/weight; the audit reports that (bound 9.0, tag `quantizer.storage`).
-`gptq_torch` keeps the packed 4-bit weights (~4.x bits, bound `bits + 1`) but is slow on CPU.
+`gptq_torch` keeps the packed 4-bit weights (~4.x bits, bound `bits + 1`) but is slow on CPU. Settings the kernel
+cannot take (KERNELS) are refused at config time (`check_with`); those the GPU path table's kernel cannot, in preflight.
 
 `method=rtn` is gptqmodel's weight-only round-to-nearest in the same format and group size: the baseline
 GPTQ must beat. It reads no calibration text at all (its cache key holds no calibration settings).
@@ -45,6 +46,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections import namedtuple
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,8 +56,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from harness.analysis import corpus
 from harness.cache import atomic_dir, cache_root, short_hash
-from harness.errors import ConfigError, QuantbenchError, one_of
-from harness.measure import now
+from harness.errors import ConfigError, QuantbenchError, Unsupported, one_of
+from harness.measure import now, resolve_device
 from harness.models import torch_dtype
 from harness.models.random_model import IdTokenizer
 from quantizers import gpu_paths  # gpu_paths.device_capability looked up per call: tests patch it
@@ -66,6 +68,42 @@ from quantizers.common import TimedLoad
 # without it (tests/test_layout.py, LAZY_OK).
 
 METHODS = ("gptq", "rtn", "awq")
+# what one gptqmodel kernel class takes: its SUPPORTS_* (devices: cpu/cuda, ALL is both; XPU, ROCm do not run here)
+KernelSpec = namedtuple("KernelSpec", "bits group_size devices sym desc_act dtypes")
+# The kernels gptqmodel 7.6 loads this quantizer's checkpoints with (gptq and rtn save FORMAT.GPTQ, awq FORMAT.GEMM:
+# gptqmodel.utils.importer.BACKEND_TO_METHOD_FORMAT_MAPPING), each with what its class takes. Hard-coded because
+# importing gptqmodel takes ~6 s (torch and every kernel), too slow for config time; tests/test_gptq_validation.py
+# compares the table with the installed gptqmodel. Left out: mlx (Apple MPS) and gptq_w4afp8/gptq_w4a_nvfp4, which
+# quantize activations too (a QuantizeConfig activation policy this quantizer never sets).
+_G = (-1, 16, 32, 64, 128)
+_G32, _G_ALL, _B_ALL, _CPU, _CUDA = (-1, 32, 64, 128), (*_G, 256, 512, 1024), (2, 3, 4, 5, 6, 7, 8), ("cpu",), ("cuda",)
+_TF, _HALF, _ANY = (True, False), ("float16", "bfloat16"), ("float32", "float16", "bfloat16")
+GPTQ_KERNELS = {
+    "gptq_torch_int8": KernelSpec((2, 4, 8), _G, _CPU, _TF, _TF, _ANY),
+    "gptq_torch": KernelSpec(_B_ALL, _G_ALL, ("cpu", "cuda"), _TF, _TF, _HALF),
+    "gptq_torch_fused": KernelSpec((4,), _G, _CPU, _TF, _TF, _ANY),
+    "gptq_torch_aten": KernelSpec((4,), _G[1:], _CPU, _TF, _TF, _HALF),
+    "gptq_marlin": KernelSpec((4, 8), _G32, _CUDA, (True,), _TF, _HALF),
+    "gptq_machete": KernelSpec((4, 8), (-1, 64, 128), _CUDA, _TF, _TF, _HALF),
+    "gptq_swordfish": KernelSpec((4, 8), _G32, _CUDA, _TF, _TF, _HALF),
+    "gptq_exllama_v2": KernelSpec((4,), _G32, _CUDA, _TF, _TF, _HALF),
+    "gptq_triton": KernelSpec((2, 4, 8), _G_ALL, _CUDA, _TF, _TF, _HALF),
+    "gptq_bitblas": KernelSpec((2, 4, 8), _G32, _CUDA, _TF, (False,), _HALF),
+}
+AWQ_KERNELS = {
+    "awq_torch_int8": KernelSpec((4,), _G, _CPU, _TF, _TF, _ANY),
+    "awq_torch": KernelSpec(_B_ALL, _G, ("cpu", "cuda"), _TF, _TF, _HALF),
+    "awq_torch_fused": KernelSpec((4,), _G, _CPU, _TF, _TF, _ANY),
+    "awq_torch_aten": KernelSpec((4,), _G[1:], _CPU, _TF, _TF, _HALF),
+    "awq_marlin": KernelSpec((4, 8), _G32, _CUDA, _TF, _TF, _HALF),
+    "awq_machete": KernelSpec((4, 8), _G32, _CUDA, _TF, (False,), _HALF),
+    "awq_swordfish": KernelSpec((4,), _G32, _CUDA, _TF, (False,), _HALF),
+    "awq_exllama_v2": KernelSpec((4,), _G32, _CUDA, _TF, _TF, _HALF),
+    "awq_gemm": KernelSpec((4,), _G, _CUDA, _TF, _TF, _HALF),
+    "awq_gemm_triton": KernelSpec((4,), _G32, _CUDA, _TF, _TF, ("float16",)),
+    "awq_bitblas": KernelSpec((4,), _G32, _CUDA, _TF, _TF, _HALF),
+}
+KERNELS = {"gptq": GPTQ_KERNELS, "rtn": GPTQ_KERNELS, "awq": AWQ_KERNELS}
 INT8_REPACK_KERNELS = ("gptq_torch_int8", "awq_torch_int8")
 CALIBRATION = "calibration"  # the project's own calibration text (module docstring)
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "harness" / "data" / "calibration.txt"
@@ -127,8 +165,12 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
     min_bits_per_weight = 2.0
 
     def __post_init__(self) -> None:
-        errs = [one_of("quantizer.method", self.method, METHODS), one_of("quantizer.bits", self.bits, (2, 3, 4, 8))]
-        for f in ("group_size", "calibration_samples", "calibration_length", "workers"):
+        kernels = KERNELS.get(self.method, GPTQ_KERNELS)  # a group size none takes fails inside model.quantize
+        groups = sorted({g for k in kernels.values() for g in k.group_size})
+        errs = [one_of("quantizer.method", self.method, METHODS), one_of("quantizer.bits", self.bits, (2, 3, 4, 8)),
+                one_of("quantizer.group_size", self.group_size, groups),
+                one_of("quantizer.kernel", self.kernel, ("auto", *kernels))]
+        for f in ("calibration_samples", "calibration_length", "workers"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 errs.append(f"quantizer.{f}={getattr(self, f)!r} must be a positive integer")
         if not isinstance(self.calibration_seed, int) or isinstance(self.calibration_seed, bool) \
@@ -140,7 +182,7 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
             raise ConfigError([e for e in errs if e])
         if self.method == "awq":  # gptqmodel 7.6 AWQ quantization raises "AWQ: CUDA is not available." on CPU
             self.devices = ("cuda",)
-        self._device = "cpu"
+        self._device, self._dtype = "cpu", None  # _dtype: the model's, which the kernel gets (check_with)
         self._accuracy: Any = None
         self._gpu: gpu_paths.Choice | None = None
 
@@ -158,6 +200,34 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         if device.startswith("cuda"):  # the table's kernel for this GPU (preflight looked it up), else gptqmodel's
             return str(self._gpu.path.overrides.get("kernel", "auto")) if self._gpu is not None else "auto"
         return "awq_torch_int8" if self.method == "awq" else "gptq_torch_int8"
+
+    def kernel_problems(self, device: str, dtype: str | None) -> list[str]:
+        """What the kernel that will run on `device` cannot take of these settings, one line each naming it and what to
+        set instead; none where gptqmodel picks the kernel (it picks one that takes them). Where it runs: preflight."""
+        dev, kernels, kernel = device.split(":")[0], KERNELS[self.method], self._kernel(device)
+        if kernel not in kernels or dev not in self.devices:  # AWQ on CPU: preflight's Unsupported (SKIPPED)
+            return []
+        dev = dev if dev in kernels[kernel].devices else kernels[kernel].devices[-1]  # alternatives: where it runs
+        spec, on_dev = kernels[kernel], [k for k, s in kernels.items() if dev in s.devices]
+        settings = [("quantizer.bits", self.bits, "bits"), ("quantizer.group_size", self.group_size, "group_size"),
+                    ("quantizer.sym", self.sym, "sym"), ("quantizer.desc_act", self.desc_act, "desc_act"),
+                    # AWQ: gptqmodel loads it in float16 where the kernel lacks the dtype (_coerce_quantized_awq_dtype)
+                    *([("model.dtype", dtype, "dtypes")] if dtype and self.method != "awq" else [])]
+        which = f"quantizer.kernel={kernel}" if self.kernel != "auto" else \
+            f"{kernel}, the kernel quantizer.kernel=auto picks on " + (self._gpu.arch if self._gpu else dev)
+        out = []
+        for key, value, field in settings:
+            if value in getattr(spec, field):
+                continue
+            # another kernel on this device that takes every setting (a dtype it lacks: said, unless that is the key)
+            ways = [k + ("" if not dtype or dtype in s.dtypes else f" (with model.dtype={' or '.join(s.dtypes)})")
+                    for k, s in kernels.items() if k != kernel and k in on_dev
+                    and all(v in getattr(s, f) for _, v, f in settings if f != "dtypes" or field == "dtypes")]
+            instead = (f", or set quantizer.kernel to one of: {', '.join(ways)}" if len(ways) > 1 else
+                       f", or set quantizer.kernel={ways[0]}" if ways else f"; no other kernel on {dev} takes it")
+            out.append(f"{key}={value!r} is not supported by {which} (it takes {field}: "
+                       f"{', '.join(map(str, getattr(spec, field)))}); choose one of those{instead}")
+        return out
 
     @property
     def backend(self) -> str:  # type: ignore[override]
@@ -190,11 +260,25 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         if device.startswith("cuda") and self.kernel == "auto" and self.bits == 4:  # rtn saves GPTQ's format
             self._gpu = gpu_paths.path_for("awq_int4" if self.method == "awq" else "gptq_int4",
                                            gpu_paths.device_capability(device))
+        if (errs := self.kernel_problems(device, self._dtype)):  # on CUDA: the GPU path table's kernel, now known
+            raise ConfigError(errs)
+        kernel, dev, kernels = self._kernel(device), device.split(":")[0], KERNELS[self.method]
+        if kernel in kernels and dev not in kernels[kernel].devices:  # as torchao's: CUDA-only on CPU is SKIPPED
+            others = ", ".join(k for k, s in kernels.items() if dev in s.devices)
+            why = (f"quantizer {self.name} kernel={kernel} runs on {', '.join(kernels[kernel].devices)} only; on {dev} "
+                   f"use quantizer.kernel=auto or one of: {others}")
+            raise Unsupported(f"needs CUDA: {why}") if dev == "cpu" else QuantbenchError(why)
         if self.method != "rtn" and (spec := self._calibration_spec()) != CALIBRATION:
             corpus.check(spec, "quantizer.calibration_corpus")  # an HF datasets id: cached, or the hub answers
         os.environ["GPTQMODEL_CPU_WORKERS"] = str(self.workers)
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
+        self._dtype, want = getattr(parts.get("model"), "dtype", None), getattr(measure, "device", "auto")
+        errs = self.kernel_problems(want, self._dtype) if want in ("cpu", "cuda") else []
+        if want == "auto" and (errs := self.kernel_problems("cpu", self._dtype)):  # torch (~2 s) only then
+            errs = self.kernel_problems(resolve_device(want), self._dtype)
+        if errs:
+            raise ConfigError(errs)
         if self.method == "rtn":
             return
         spec = self.calibration_corpus or (accuracy.corpus if accuracy is not None else "")
