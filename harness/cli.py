@@ -28,7 +28,7 @@ from harness.measure import memory
 from harness.options import CONF_DIR as CONF
 from harness.options import KINDS, unknown_key
 from harness.records import tracking
-from harness.records.results import summary_line
+from harness.records.results import DEFAULT_BASELINE, summary_line
 from harness.run import runner
 from harness.sweep.launchers import LOCAL_LAUNCHERS, launcher_name, time_limit_problem
 from harness.sweep.settings import SweepSettings, planned_cells, settings_from
@@ -120,14 +120,17 @@ def precheck(argv: list[str]) -> str | None:
         planned = planned_cells(cfg.hydra)
         cells = planned or [base]  # another sweeper: validate what composes without it
     cores = launcher_cores(cfg.hydra.launcher) if multirun else None
+    built: list[Experiment] = []
     for cell in cells:
-        if (problem := validate(cell, cores)):
+        if (problem := validate(cell, cores, built)):
             label = ",".join(o for o in cell if o not in base) or "default"
             return f"sweep cell {label}: {problem}" if len(cells) > 1 else problem
     try:  # the base config's settings (a sweep over sweep.timeout_s is checked with its default), in a single run too
         settings = sweep_settings(cfg)
     except QuantbenchError as exc:
         return str(exc)
+    if planned and (problem := baseline_problem(settings.baseline, built)):
+        return problem
     if multirun:
         return time_limit_problem(cfg.hydra.launcher, settings.timeout_s, settings.startup_timeout_s,
                                   len(planned or []) or 1)
@@ -183,18 +186,35 @@ def launcher_cores(launcher: DictConfig) -> int | None:
     return cpus if isinstance(cpus, int) and cpus > 0 else 0
 
 
-def validate(overrides: list[str], cores: int | None = None) -> str | None:
+def validate(overrides: list[str], cores: int | None = None, built: list[Experiment] | None = None) -> str | None:
     """Compose, build and preflight one run's config (nothing loads); its problem as one line, or None.
-    `cores`: those the run will have (harness.config.build)."""
+    `cores`: those the run will have (harness.config.build); `built` gets the experiment when it is valid."""
     try:
         cfg = _compose(overrides)
     except Exception as exc:  # noqa: BLE001
         return compose_problem(exc, overrides)
     try:
-        preflight(build(cfg, cores))
+        exp = build(cfg, cores)
+        preflight(exp)
     except QuantbenchError as exc:
         return str(exc)
+    if built is not None:
+        built.append(exp)
     return None
+
+
+def baseline_problem(baseline: str, cells: list[Experiment]) -> str | None:
+    """One line when `sweep.baseline` names no quantizer of the sweep's cells: the report would have no speed ratio
+    and drift_probe=baseline would probe nothing, found only after the whole sweep ran (the report's --baseline is
+    refused alike). The default (none) is not checked: a sweep of quantized cells only has no ratio column, as
+    documented; nor a llama.cpp format, whose name the run settles (engine.format=gguf is the file's own)."""
+    if baseline == DEFAULT_BASELINE or baseline.startswith("llama_cpp:") or not cells:
+        return None
+    names = sorted({e.quantizer.name for e in cells if e.engine.name != "llama_cpp"})
+    if baseline in names:
+        return None
+    return (f"sweep.baseline={baseline!r} is no quantizer of this sweep's cells; choose one of: {', '.join(names)}"
+            + (" (or a llama_cpp:<format>)" if any(e.engine.name == "llama_cpp" for e in cells) else ""))
 
 
 def preflight(exp: Experiment) -> None:

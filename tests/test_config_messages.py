@@ -184,3 +184,13 @@ def test_an_output_folder_hydra_cannot_write_is_one_line_before_anything_runs(tm
     assert problem == f"{key}={blocked}/out cannot be written (Not a directory); pick a folder you can write to"
     assert precheck([*argv, "model=tiny_random", f"{key}={tmp_path}/out/${{now:%H-%M-%S}}"]) is None
     assert (tmp_path / "out").is_dir() and not list((tmp_path / "out").iterdir())  # made as Hydra would, nothing in it
+
+
+def test_a_sweep_baseline_that_is_no_quantizer_of_the_sweep_is_one_line_before_it_runs():
+    """A typo (nnone) ran the whole sweep, exit 0, and its report had no speed ratio (drift_probe=baseline probed
+    nothing). The default baseline is not checked: a sweep of quantized cells only is fine without ratios."""
+    sweep = ["-m", "model=tiny_random", "quantizer=none,bf16"]
+    assert precheck([*sweep, "sweep.baseline=nnone"]) == \
+        "sweep.baseline='nnone' is no quantizer of this sweep's cells; choose one of: bf16, none"
+    assert precheck([*sweep, "sweep.baseline=bf16"]) is None
+    assert precheck(["-m", "model=tiny_random", "quantizer=bf16,fp16"]) is None  # default `none`, not among them

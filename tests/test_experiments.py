@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from conftest import ROOT
 
+from harness.cli import baseline_problem
 from harness.config import build, compose
 from harness.sweep.settings import planned_cells, settings_from
 
@@ -58,10 +59,13 @@ def test_every_cell_of_the_experiment_composes_and_validates(name):
         full.hydra.overrides.task = [f"+experiment={name}"]
     cells = planned_cells(full.hydra)
     assert len(cells) >= 3
+    built = []
     for cell in cells:
         exp = build(compose(cell))  # the cell holds +experiment=<name> too; raises ConfigError listing every problem
         assert exp.name == name
-        settings_from(exp.config)
+        settings = settings_from(exp.config)
+        built.append(exp)
+    assert baseline_problem(settings.baseline, built) is None  # its sweep.baseline is a quantizer of its cells
 
 # Running each experiment's narrowed cell through the CLI: tests/test_docs.py (docs/sweeps.md and
 # docs/workloads.md show `python run.py +experiment=<name>` for every shipped experiment, run with NARROW).
