@@ -121,9 +121,12 @@ def precheck(argv: list[str]) -> str | None:
         cells = planned or [base]  # another sweeper: validate what composes without it
     cores = launcher_cores(cfg.hydra.launcher) if multirun else None
     built: list[Experiment] = []
+    fixed = {o.split("=", 1)[0].lstrip("+~") for o in base}
     for cell in cells:
         if (problem := validate(cell, cores, built)):
-            label = ",".join(o for o in cell if o not in base) or "default"
+            # what the cell sets beyond the command line's fixed overrides, by key (Hydra hands those back re-escaped:
+            # tracking.uri=sqlite\:///... is the command line's sqlite:///..., not a value of the cell's own)
+            label = ",".join(o for o in cell if o.split("=", 1)[0].lstrip("+~") not in fixed) or "default"
             return f"sweep cell {label}: {problem}" if len(cells) > 1 else problem
     try:  # the base config's settings (a sweep over sweep.timeout_s is checked with its default), in a single run too
         settings = sweep_settings(cfg)

@@ -191,6 +191,9 @@ def test_run_py_prints_one_error_line_and_exits_2(args, expected, tmp_path):
     # config-only mistakes: refused before the run, not recorded FAILED (nor one FAILED cell of a sweep)
     (["model=tiny_random", "measure.max_new_tokens=1"], "no decode phase (zero decode tokens): measure.max_new_tokens=1"),
     (["-m", "model=tiny_random", "measure.max_new_tokens=1,2"], "sweep cell measure.max_new_tokens=1: no decode phase"),
+    # a fixed override with a `:` comes back from Hydra escaped (sqlite\:///): still not named as the cell's own
+    (["-m", "model=tiny_random", "measure.max_new_tokens=1,2", "tracking.uri=sqlite:////tmp/qb-x/m.db"],
+     "sweep cell measure.max_new_tokens=1: no decode phase"),
     (["strategy=continuous_batch", "measure.compile=true"],
      "measure.compile=true compiles the decode step of strategies/decode.py, and strategy ContinuousBatch runs its own"),
     (["strategy=continuous_batch", "measure.path=compiled"], "measure.path=compiled compiles the decode step"),
