@@ -237,6 +237,55 @@ def test_a_load_point_whose_every_request_failed_is_a_failed_point_not_a_zero_ca
     assert run.children[0]["status"] == "FAILED" and run.children[0]["metrics"]["failed_requests"] == 3
 
 
+class SilentTarget(SlowTarget):
+    """Takes every request and never answers (each expires at load.request_timeout_s, unfinished, not failed)."""
+
+    def submit(self, request, record, done) -> None:
+        pass
+
+
+def test_a_sweep_whose_first_points_answer_nothing_fails_in_one_line_keeping_them():
+    """Both rates 0: the offered rates were 0 and scheduling them raised a bare ZeroDivisionError, which lost the
+    two measured points from the FAILED record."""
+    from harness.errors import QuantbenchError
+
+    run = _bare_run([], profile="sweep", warmup_requests=0, requests=2, request_timeout_s=0.2)
+    run.target, run.kind = SilentTarget(), "silent"
+    run.prompts_for = lambda k, count=None: [Request(i, [1, 2, 3], 2, tag=f"r{k}") for i in range(2)]
+    with pytest.raises(QuantbenchError, match=r"^load: no request was answered within load.request_timeout_s=0.2 s "
+                                              r"at the synchronous point, so there are no rates to offer"):
+        run.rates()
+    assert [c["label"] for c in run.children] == ["synchronous", "throughput"]
+    assert all(c["metrics"]["unfinished_requests"] == 2 for c in run.children)
+    with pytest.raises(ValueError, match="must be > 0"):
+        schedule("poisson", 0.0, 3, seed=0)
+
+
+def test_the_all_at_once_point_has_no_send_lag_and_the_run_takes_its_lag_from_offered_rates():
+    """Every request at t=0 has no schedule to keep: its 'lag' was the client handing out the burst, which made the
+    throughput point 'not open-loop' and set the parent's send_lag_ms_p99 while it was tagged open loop."""
+    run = _bare_run([], profile="rates", rates=[20.0], warmup_requests=0, requests=6)
+    run.target, run.kind = SlowTarget(), "slow"
+    run.point("throughput", [Request(i, [1, 2, 3], 2) for i in range(6)], math.inf)
+    run.point("20/s", [Request(i, [1, 2, 3], 2) for i in range(6)], 20.0)
+    burst, rate = run.children
+    assert math.isnan(burst["metrics"]["send_lag_ms_p99"]) and math.isnan(burst["metrics"]["open_loop"])
+    assert burst["tags"]["load.loop"] == "all at once" and "warning.open_loop" not in burst["tags"]
+    run.conclude()
+    assert run.metrics["send_lag_ms_p99"] == rate["metrics"]["send_lag_ms_p99"]
+
+
+def test_request_lengths_and_arrival_gaps_are_independent_draws():
+    """One seed feeds both, but not one stream: from random.Random(seed) twice, each prompt's length and the gap
+    after it were the same uniforms (correlation 0.87 for uniform:1-255/1-255), so long prompts came with long
+    quiet gaps and queueing looked 40-70% shorter than it is."""
+    n = 4000
+    prompts = [p for p, _ in lengths.draw("uniform:1-255/1-255", n, 1)]
+    times = schedule("poisson", 10.0, n + 1, 1)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert abs(statistics.correlation(prompts, gaps)) < 0.1
+
+
 # ------------------------------------------------------------------------------------------ llama-server
 def test_llama_server_answers_every_request_is_gone_after_the_run_and_each_rate_is_a_nested_mlflow_run(
         compose, results_overrides, monkeypatch):

@@ -70,7 +70,9 @@ def schedule(arrival: str, rate: float, n: int, seed: int, burstiness: float = 1
         return []
     if math.isinf(rate) or arrival == "concurrency":
         return [0.0] * n
-    rng = random.Random(seed)
+    if not rate > 0:
+        raise ValueError(f"schedule: rate {rate!r} must be > 0")
+    rng = random.Random(seed)  # lengths.draw draws from a stream of its own: a gap must not follow its prompt's length
     if arrival == "constant":
         gaps = [1.0 / rate] * (n - 1)
     elif arrival == "poisson":

@@ -187,7 +187,13 @@ class LoadRun:
             records, end = drive(self.target, reqs, times, cfg.request_timeout_s, concurrency=concurrency)
         except TargetDied as exc:
             records, end, died = exc.records, exc.end, str(exc)
-        metrics, tags = summarize(records, offered, cfg.slo.limits(), cfg.max_send_lag_ms, end, closed=concurrency > 0)
+        # every request at once (the throughput point) has no arrival schedule to keep: its "lag" is the client
+        # handing out the burst, so no send lag and no open-loop verdict, as for a closed loop
+        burst = not concurrency and math.isinf(rate)
+        metrics, tags = summarize(records, offered, cfg.slo.limits(), cfg.max_send_lag_ms, end,
+                                  closed=concurrency > 0 or burst)
+        if burst:
+            tags.update({"load.open_loop": "n/a (all at once)", "load.loop": "all at once"})
         if not died and records and all(r.error for r in records):  # nothing was served: not a measurement
             died = (f"load point {label}: all {len(records)} requests failed (first: {records[0].error}); is the "
                     "server at load.url up and serving this model?")
@@ -219,6 +225,11 @@ class LoadRun:
             self.metrics["sync_rps"] = sync["request_throughput_rps"]
             self.metrics["sync_output_tokens_per_s"] = sync["output_tokens_per_s"]
             self.metrics["max_rps"] = top["request_throughput_rps"]
+            if not (sync["request_throughput_rps"] > 0 and top["request_throughput_rps"] > 0):
+                raise QuantbenchError(  # one line, the two points kept in the FAILED record (not a ZeroDivisionError)
+                    "load: no request was answered within load.request_timeout_s="
+                    f"{cfg.request_timeout_s:g} s at the {'synchronous' if not sync['request_throughput_rps'] > 0 else 'throughput'}"
+                    " point, so there are no rates to offer; raise load.request_timeout_s or check the target")
             offered = sweep_rates(sync["request_throughput_rps"], top["request_throughput_rps"], cfg.sweep_rates)
         for rate in offered:
             self.point(f"{rate:.3g}/s", self.prompts_for(next(k)), float(rate))
