@@ -132,7 +132,10 @@ def precheck(argv: list[str]) -> str | None:
         settings = sweep_settings(cfg)
     except QuantbenchError as exc:
         return str(exc)
-    if planned and (problem := baseline_problem(settings.baseline, built)):
+    # a baseline typed on this command line; an experiment's own (auto16, bf16) stays valid when the command narrows
+    # its cells to formats without it (+experiment=scaling format=int4): that report just has no ratio column
+    typed = any(o.split("=", 1)[0].lstrip("+~") == "sweep.baseline" for o in overrides)
+    if planned and typed and (problem := baseline_problem(settings.baseline, built)):
         return problem
     if multirun:
         return time_limit_problem(cfg.hydra.launcher, settings.timeout_s, settings.startup_timeout_s,

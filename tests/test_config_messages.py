@@ -194,3 +194,5 @@ def test_a_sweep_baseline_that_is_no_quantizer_of_the_sweep_is_one_line_before_i
         "sweep.baseline='nnone' is no quantizer of this sweep's cells; choose one of: bf16, none"
     assert precheck([*sweep, "sweep.baseline=bf16"]) is None
     assert precheck(["-m", "model=tiny_random", "quantizer=bf16,fp16"]) is None  # default `none`, not among them
+    # an experiment's own baseline, its cells narrowed to formats without it: a sweep without ratios, not a typo
+    assert precheck(["+experiment=scaling", "size=tiny,tiny-qwen2", "format=int4"]) is None
