@@ -12,6 +12,9 @@ import json
 import math
 import os
 import subprocess
+import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -641,9 +644,18 @@ def test_missing_metric_or_baseline_exits_2(tmp_path, mlflow_dir):
     assert code == 2 and "greedy_tokens" in md
 
 
-def test_bad_options_exit_2(tmp_path):
+def test_bad_options_exit_2(tmp_path, capsys):
     assert gate.main(["--baseline", SMOKE, "--candidate", SMOKE, "--repetitions", "3", "--no-mlflow"]) == 2
     assert gate.main(["--baseline", SMOKE]) == 2  # no candidate at all
+    capsys.readouterr()
+    # speed skipped and no accuracy baseline: nothing would be checked (it loaded the model and said PASS)
+    assert gate.main(["--baseline", SMOKE, "--skip-speed", "--no-mlflow"]) == 2
+    assert "--skip-speed needs --accuracy-baseline" in capsys.readouterr().err
+    # an unbalanced quote: one line, exit 2 (Python's own exit 1 read as a regression)
+    assert gate.main(["--baseline", "model=tiny_random 'x", "--candidate", SMOKE, "--no-mlflow"]) == 2
+    assert capsys.readouterr().err.startswith("error: --baseline \"model=tiny_random 'x\": No closing quotation")
+    with pytest.raises(GateError, match="--max-blocks 65: give an even number"):  # a second, uncorrected look at 64
+        GateOptions(baseline=[], candidate=[], max_blocks=65)
     assert gate.main(["--baseline", SMOKE, "--candidate-rev", "no-such-rev-xyz", "--no-mlflow",
                       "--output", str(tmp_path / "g.json")]) == 2
 
@@ -659,6 +671,73 @@ def test_write_baseline_round_trip(tmp_path, mlflow_dir):
     assert written["greedy_tokens"] == committed["greedy_tokens"]
     for k in gate.ACCURACY_METRICS:
         assert math.isclose(written["metrics"][k], committed["metrics"][k], rel_tol=1e-6, abs_tol=1e-9)
+
+
+def test_an_undecided_speed_under_a_failed_accuracy_check_does_not_say_it_passes():
+    from harness.gate.accuracy import Check
+
+    edge = fake_gate(2, 0.0526, max_pairs=128, jitter=0.3)
+    assert edge.verdict == "undecided"
+    opts = asdict(GateOptions(baseline=["a=1"], candidate=["a=2"]))
+    failed = gate.GateResult(code=1, verdict="regression", options=opts, speed=edge,
+                             accuracy=[Check("perplexity", False, "worse")])
+    md = gate.summary_markdown(failed)
+    assert "FAIL (regression)" in md and "passes" not in md and "comes from the accuracy check" in md
+    passed = gate.GateResult(code=0, verdict="pass", options=opts, speed=edge)
+    assert "so this passes without a decision" in gate.summary_markdown(passed)
+
+
+@pytest.mark.serial  # a revision worktree of this repository and two workers: not beside tests/test_gate_ci.py's
+def test_a_gate_stopped_by_sigterm_removes_its_worktree_and_temporary_folders(tmp_path):
+    """SIGTERM (a CI job cancelled or timed out) skipped run_gate's `finally`: the revision's worktree stayed in git's
+    list and both temporary folders in /tmp."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "harness.gate", "--baseline", "model=tiny_random", "--baseline-rev",
+                             "HEAD", "--candidate", "model=tiny_random strategy=static_batch", "--no-mlflow",
+                             "--output", str(tmp_path / "g.json")], cwd=ROOT, env=env, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("qb-gate-*/tree")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    trees = list(tmp_path.glob("qb-gate-*/tree"))
+    assert trees, "the gate made no worktree"
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "stopped (SIGTERM) before a verdict" in err, err[-2000:]
+    assert not list(tmp_path.glob("qb-gate-*"))
+    listed = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+    assert str(trees[0]) not in listed
+
+
+def test_a_worker_that_does_not_answer_quit_is_killed_without_a_second_timeout(monkeypatch):
+    """After a request timed out (up to --timeout, 900 s), close() waited a full --timeout again for 'quit'."""
+    import threading
+
+    from harness.gate import sides
+
+    monkeypatch.setattr(sides, "QUIT_WAIT_S", 0.5)
+    side = sides.WorkerSide("baseline", [], timeout_s=60.0)
+    side.proc = subprocess.Popen(["sleep", "120"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    threading.Thread(target=side._pump, daemon=True).start()
+    t0 = time.monotonic()
+    side.close()
+    assert time.monotonic() - t0 < 10 and side.proc is None
+
+
+@pytest.mark.serial  # a revision worktree of this repository and a worker: not beside tests/test_gate_ci.py's
+def test_a_revision_side_runs_its_own_code_even_under_pythonsafepath(monkeypatch):
+    """PYTHONSAFEPATH keeps `python -m`'s cwd off sys.path: the editable install then served this checkout's code to
+    the revision's worker (a gate of HEAD against itself), and its hello still named the worktree."""
+    from harness.gate.sides import WorkerSide
+
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")
+    side = WorkerSide("baseline", ["model=tiny_random"], "HEAD", repo=ROOT)
+    side.validate()
+    try:
+        side.start()  # refused (GateError) when the worker's code is not the worktree's
+        assert side.root is not None and side.root.is_dir()
+    finally:
+        side.close()
 
 
 def test_the_gate_refuses_to_compare_a_commit_with_itself(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from harness.gate.errors import ERROR, PASS, REGRESSION, GateError
 from harness.gate.sides import make_side, self_comparison
 from harness.gate.stats import REGRESSION as SPEED_REGRESSION
 from harness.gate.stats import SpeedStats
+from harness.interrupts import sigterm_interrupts
 
 log = logging.getLogger("quantbench")
 DEFAULT = interleave.Plan()  # the speed defaults live in one place
@@ -71,6 +73,9 @@ class GateOptions:
             problems.append("--write-baseline needs --accuracy-baseline PATH (where to write it)")
         if self.greedy_tokens < 0:
             problems.append("--greedy-tokens must be >= 0 (0 = all tokens)")
+        if self.skip_speed and not self.accuracy_baseline:  # PASS on nothing compared: a gate that cannot fail
+            problems.append("--skip-speed needs --accuracy-baseline PATH: without speed and without an accuracy "
+                            "baseline the gate checks nothing")
         if problems:
             raise GateError("; ".join(problems))
 
@@ -208,8 +213,8 @@ def parse_args(argv: list[str] | None) -> GateOptions:
     ap.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a side's worker may take per request")
     args = ap.parse_args(argv)
-    baseline = shlex.split(args.baseline)
-    candidate = baseline if args.candidate is None else shlex.split(args.candidate)
+    baseline = _split("--baseline", args.baseline)
+    candidate = baseline if args.candidate is None else _split("--candidate", args.candidate)
     if args.candidate is None and not (args.candidate_rev or args.write_baseline or args.skip_speed):
         raise GateError("give --candidate \"<overrides>\" and/or --candidate-rev <git rev>")
     for side, overrides, rev in (("baseline", baseline, args.baseline_rev), ("candidate", candidate, args.candidate_rev)):
@@ -225,6 +230,15 @@ def parse_args(argv: list[str] | None) -> GateOptions:
                        output=args.output, mlflow=not args.no_mlflow, timeout_s=args.timeout)
 
 
+def _split(flag: str, text: str) -> list[str]:
+    """A side's overrides as the shell would split them; a bad quote is an error (2), not Python's exit 1, which
+    reads as "regression"."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise GateError(f"{flag} {text!r}: {exc} (quote each override as a shell would)") from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     quiet_third_party()
@@ -233,7 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     except GateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ERROR
-    res = run_gate(opts)
+    previous = sigterm_interrupts()  # SIGTERM (a CI job cancelled or timed out): Ctrl-C's stop, so run_gate's
+    try:  # `finally` stops the workers and removes the revision worktrees (git's list keeps no stale entry)
+        res = run_gate(opts)
+    except KeyboardInterrupt as exc:
+        print(f"error: the gate was stopped ({getattr(exc, 'signame', 'SIGINT')}) before a verdict; its workers and "
+              "worktrees are removed", file=sys.stderr)
+        return ERROR
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     markdown = report.summary_markdown(res)
     report.emit(markdown, opts.summary)
     try:

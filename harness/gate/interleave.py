@@ -55,6 +55,8 @@ class Plan:
             p.append(f"--max-blocks {self.max_pairs}: at least {MIN_DECIDE_PAIRS}, the fewest blocks a decision needs")
         elif self.max_pairs < self.min_pairs:
             p.append(f"--max-blocks {self.max_pairs}: must be >= --min-blocks {self.min_pairs}")
+        elif self.max_pairs % 2:  # an odd cap rounded down to the last look's size: a second, uncorrected look there
+            p.append(f"--max-blocks {self.max_pairs}: give an even number (whole A B B A groups)")
         if not self.budget_s > 0:
             p.append(f"--budget {self.budget_s}: give seconds > 0")
         if not 0 < self.threshold < 1:

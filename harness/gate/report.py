@@ -59,9 +59,11 @@ def summary_markdown(res: Any) -> str:
                   f"({len(s.looks)} of {s.planned_looks} looks, {s.seconds:.1f} s) | {s.verdict} |", "",
                   f"Stopped: {s.stop}.", "", f"Measured on: {env.cpu_info(with_torch=False).describe()}."]
         if s.verdict == UNDECIDED:
+            after = ("so this passes without a decision" if res.verdict == "pass" else
+                     "so speed neither passed nor failed; the verdict above comes from the "
+                     + ("error" if res.verdict == "error" else "accuracy check"))
             lines.append(f"**Undecided:** no decision yet (see *Stopped*: the bounds straddle {_pct(-s.threshold)}, or "
-                         "too few blocks for one), so this passes without a decision; raise `--budget`, or run on a "
-                         "quieter machine.")
+                         f"too few blocks for one), {after}; raise `--budget`, or run on a quieter machine.")
         lines += ["", f"Change = trimmed mean ({TRIM:.0%} each tail) of log(candidate / baseline tokens/s) over "
                   "adjacent block pairs; moving-block bootstrap bounds at the per-look level of a Pocock boundary "
                   f"(overall one-sided {s.confidence:.0%} over {s.planned_looks} planned looks). Noise seen: robust "

@@ -37,6 +37,7 @@ WORKER_PATH = "harness/gate/worker.py"
 PROTOCOL = 1  # the protocol this gate speaks: equal to harness/gate/worker.py's PROTOCOL (tested)
 PROTOCOL_LINE = re.compile(r"^PROTOCOL\s*=\s*(\d+)\s*$", re.M)
 WORKTREE_LOCK = threading.Lock()
+QUIT_WAIT_S = 10.0  # a worker asked to quit exits in ~1.5 s; one that does not answer by then is killed
 
 
 def git(*args: str, repo: Path | None = None) -> str:
@@ -119,14 +120,22 @@ class WorkerSide:
             cwd = self.root
         self.log_path = self.tmp / "worker.log"
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-        env.pop("PYTHONPATH", None)  # every module comes from the side's own checkout (cwd first on sys.path)
+        # every module comes from the side's own checkout (cwd first on sys.path): PYTHONSAFEPATH would keep the cwd
+        # off it, and the editable install would then serve this checkout's code to a revision side
+        env.pop("PYTHONPATH", None)
+        env.pop("PYTHONSAFEPATH", None)
         with open(self.log_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "harness.gate.worker"], cwd=cwd, env=env,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         threading.Thread(target=self._pump, daemon=True).start()
-        speaks = self.ask({"cmd": "hello"}).get("protocol")
-        if speaks != PROTOCOL:
+        hello = self.ask({"cmd": "hello"})
+        if (speaks := hello.get("protocol")) != PROTOCOL:
             raise GateError(f"{self.where}: its worker speaks gate protocol {speaks}, this gate speaks {PROTOCOL}")
+        # the worker says where its code came from (older revisions: their cwd): another checkout's code would
+        # measure that code under this side's name
+        if (root := hello.get("root")) and Path(root).resolve() != Path(cwd).resolve():
+            raise GateError(f"{self.where}: its worker runs the code in {root}, not {cwd}; unset PYTHONPATH-like "
+                            "settings that put another checkout first")
 
     def check(self) -> dict:
         """The config, validated and preflighted by the side's own code; nothing loads. Returns it (plain)."""
@@ -179,9 +188,10 @@ class WorkerSide:
     def close(self) -> None:
         if self.proc is not None:
             try:
-                if self.proc.poll() is None:
+                if self.proc.poll() is None:  # a worker that answers quits at once; a hung one is not waited for
+                    self.timeout_s = min(self.timeout_s, QUIT_WAIT_S)  # again (it had its --timeout): killed
                     self.ask({"cmd": "quit"})
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=QUIT_WAIT_S)
             except Exception:  # noqa: BLE001 - a stuck worker is killed, the gate's verdict stands
                 self.proc.kill()
                 self.proc.wait()

@@ -14,7 +14,7 @@ Protocol (JSON lines: one request per line on stdin, one reply per line on stdou
 gate refuses a worker that speaks another number (harness/gate/sides.py names the first revision that
 speaks its own).
 
-- `{"cmd": "hello"}` -> `{"ok": true, "protocol": 1, "root": "<cwd>"}`
+- `{"cmd": "hello"}` -> `{"ok": true, "protocol": 1, "root": "<the checkout its code was imported from>"}`
 - `{"cmd": "check", "overrides": [...]}` -> `{"ok": true, "config": {...}}`: compose, validate and
   preflight the config; nothing loads (the gate checks both sides before either loads)
 - `{"cmd": "load"}` -> `{"ok": true, "info": {...}}` (`Pipeline.info()`): load, quantize, warm up
@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
 
 from harness import measure, quiet_third_party
@@ -105,7 +106,7 @@ def answer(worker: Worker, req: dict) -> dict:
     """The reply to one request (module docstring); raises on a failed one."""
     cmd = req.get("cmd")
     if cmd == "hello":
-        return {"ok": True, "protocol": PROTOCOL, "root": os.getcwd()}
+        return {"ok": True, "protocol": PROTOCOL, "root": str(Path(__file__).resolve().parents[2])}  # its code
     if cmd == "check":
         return {"ok": True, "config": worker.check(req["overrides"])}
     if cmd in ("load", "block", "accuracy") and worker.pipe is None:
