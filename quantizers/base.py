@@ -126,6 +126,21 @@ def module_bytes(module: Any, seen: set[Any]) -> int:
     return total
 
 
+def _tied_copy_weights(model: Any, linear_ids: set[int]) -> int:
+    """The logical weights of an output head that is a copy of a tied embedding in another format (quantizer.head=int8:
+    the table stays 16-bit for the lookup, the head an int8 copy): one logical matrix, stored twice. `params` counts
+    it once, by the table, as it counts a head that shares the table's Parameter; `weight_bytes` keeps both copies."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "tie_word_embeddings", False) or not hasattr(model, "get_output_embeddings"):
+        return 0
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    table = getattr(emb, "weight", None)
+    if head is None or table is None or id(head) not in linear_ids or any(p is table for p in head.parameters()):
+        return 0
+    return _logical_weights(head)
+
+
 def audit_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, Any]:
     """Count what the model really stores (see module docstring)."""
     seen: set[Any] = set()
@@ -146,6 +161,7 @@ def audit_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, A
     params += sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in lin_params)
     params += sum(getattr(m, "bias", None).numel() for _, m in linear if getattr(m, "bias", None) is not None
                   and type(m.bias).__name__ in ("Tensor", "Parameter"))
+    params -= _tied_copy_weights(model, {id(m) for _, m in linear})
     kernel = sorted({f"{type(m).__module__.split('.')[0]}.{type(m).__name__}[{_weight_desc(_weight_like(m))}]"
                      for _, m in targeted})
     return {

@@ -301,7 +301,8 @@ def test_int8_head_quantizes_the_output_projection_per_row_on_the_int8pack_op(co
     from harness.analysis.roofline import shape_from_torch
     from quantizers.int8pack import Int8PackLinear
 
-    keep, _ = _load(_exp(compose, "int4"))
+    kept = _exp(compose, "int4")
+    keep, _ = _load(kept)
     exp = _exp(compose, "int4", ["quantizer.head=int8"])
     model, _ = _load(exp)
     head, ref = model.get_output_embeddings(), keep.get_output_embeddings()
@@ -311,6 +312,11 @@ def test_int8_head_quantizes_the_output_projection_per_row_on_the_int8pack_op(co
     want = ref(x).float()
     assert torch.allclose(head(x).float(), want, atol=0.03 * want.abs().max().item())
     assert not shape_from_torch(model).tied
+    # one logical matrix stored twice (the 16-bit table, the int8 head): params counts it once, as the tied model
+    # does (it counted both: +vocab x hidden, and flops_per_token with it); weight_bytes holds both copies
+    copied, tied = exp.quantizer.audit(model), kept.quantizer.audit(keep)
+    assert keep.config.tie_word_embeddings and copied["params"] == tied["params"]
+    assert copied["weight_bytes"] > tied["weight_bytes"]
     with pytest.raises(ConfigError, match="quantizer.head='int4' is not allowed"):
         _exp(compose, "torchao_int8", ["quantizer.head=int4"])
     with pytest.raises(ConfigError, match="quantizer.head=int8 is a CPU path"):
