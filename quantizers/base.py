@@ -116,14 +116,15 @@ def _weight_desc(w: Any) -> str:
     return name
 
 
+def state_tensors(module: Any) -> list[Any]:
+    """Weights a module holds outside its parameters and buffers: bitsandbytes int8 moves CB/SCB (the int8
+    matrix, the fp32 row scales) to `module.state` on the first forward."""
+    state = getattr(module, "state", None)
+    return [getattr(state, attr, None) for attr in ("CB", "SCB")]
+
+
 def module_bytes(module: Any, seen: set[Any]) -> int:
-    total = 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        total += tensor_bytes(t, seen)
-    state = getattr(module, "state", None)  # bitsandbytes int8 moves CB/SCB here after the first forward
-    for attr in ("CB", "SCB"):
-        total += tensor_bytes(getattr(state, attr, None), seen)
-    return total
+    return sum(tensor_bytes(t, seen) for t in [*module.parameters(), *module.buffers(), *state_tensors(module)])
 
 
 def _tied_copy_weights(model: Any, linear_ids: set[int]) -> int:

@@ -3,7 +3,9 @@
 
 Stored bits per weight: int8 keeps one fp32 scale per output row (8 + 32/in_features); 4-bit keeps one
 fp32 absmax per block of 64 weights (4 + 32/64 = 4.5). Bounds below allow that plus a margin of 0.5 bit
-(e.g. the small layers of a tiny model have shorter rows).
+(e.g. the small layers of a tiny model have shorter rows). On a CPU with AVX512-BF16, bitsandbytes repacks each
+4-bit weight on its first forward with a bf16 absmax (4 + 16/64 = 4.25, double_quant undone): `Bnb4bit.apply`
+makes that happen at load, so the audit describes what every decode step reads.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class Bnb4bit(TimedLoad, Quantizer):
 
     quant_type: str = "nf4"  # nf4 | fp4
     compute_dtype: str = "bfloat16"  # bf16 is the fast CPU dtype here
-    double_quant: bool = False  # True quantizes the absmax too (~4.13 bits instead of 4.5)
+    double_quant: bool = False  # True quantizes the absmax too (~4.13 bits instead of 4.5; not on AVX512-BF16 CPUs)
 
     library = "bitsandbytes"
     quantizes = True
@@ -84,6 +86,24 @@ class Bnb4bit(TimedLoad, Quantizer):
     @property
     def backend(self) -> str:  # type: ignore[override]
         return f"bitsandbytes.{self.quant_type}"
+
+    def apply(self, model: Any, *, source: Any, tokenizer: Any, device: str, experiment: Any) -> Any:
+        """One forward of one token on CPU: where the CPU has AVX512-BF16, bitsandbytes 0.50 repacks every 4-bit
+        weight on its first forward (a bf16 absmax; double_quant's nested one dequantized and dropped), so the
+        layout audited right after loading (4.50 bits/weight, 4.13 with double_quant) was not the one decoded
+        (4.25 either way), and weight_bytes and the roofline's bytes_per_step described two layouts. Done here,
+        the repack is part of quantize_s, and the tag quantizer.storage says it happened."""
+        if not device.startswith("cpu"):
+            return model
+        import torch  # heavy: see the module note
+
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+        if any(getattr(getattr(getattr(m, "weight", None), "quant_state", None), "packing_format_for_cpu", False)
+               for m in model.modules()):
+            self.storage = ("repacked for AVX512-BF16 at load (bitsandbytes' CPU layout: a bf16 absmax per block of "
+                            "64, ~4.25 bits/weight, double_quant undone)")
+        return model
 
     def from_pretrained_kwargs(self, device: str) -> dict[str, Any]:
         from transformers import BitsAndBytesConfig

@@ -323,6 +323,34 @@ def test_int8_head_quantizes_the_output_projection_per_row_on_the_int8pack_op(co
         _exp(compose, "torchao_int4", ["quantizer.head=int8", "quantizer.kernel=tinygemm"])
 
 
+def test_bnb_4bit_is_audited_in_the_layout_it_decodes_in(compose):
+    """On an AVX512-BF16 CPU bitsandbytes repacks 4-bit weights on their first forward (bf16 absmax, double_quant
+    undone): audited at load they read 4.5 / 4.13 bits, decoded 4.25. The audit must not change after a forward."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    exp = _exp(compose, "bnb_nf4", ["quantizer.double_quant=true"])
+    model, _ = _load(exp)
+    at_load = exp.quantizer.audit(model)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+    assert exp.quantizer.audit(model) == at_load
+    assert ("repacked for AVX512-BF16" in exp.quantizer.last_tags.get("quantizer.storage", "")) == has_avx512bf16()
+
+
+def test_the_roofline_reads_bnb_int8s_row_scales_after_the_first_forward_as_the_audit_does(compose):
+    """LLM.int8 moves its fp32 row scales to module.state on the first forward: the roofline (built after decoding)
+    summed parameters and buffers only and left them out of bytes_per_step; the audit counts them."""
+    from harness.analysis.roofline import shape_from_torch
+    from quantizers.base import state_tensors
+
+    exp = _exp(compose, "bnb_int8")
+    model, _ = _load(exp)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+    assert any(t is not None for m in model.modules() for t in state_tensors(m))  # moved there
+    assert shape_from_torch(model).weight_bytes == exp.quantizer.audit(model)["weight_bytes"]
+
+
 def test_torchao_int8_kernel_options_are_checked(compose):
     with pytest.raises(ConfigError, match="quantizer.kernel='fast'.*auto, int8pack, torchao"):
         _exp(compose, "torchao_int8", ["quantizer.kernel=fast"])

@@ -48,7 +48,7 @@ from harness import cgroup, gguf_meta
 from harness.analysis import figures
 from harness.analysis.bandwidth import DEVICES, Bandwidth, host_bandwidth, host_key
 from harness.cache import cache_root, short_hash
-from quantizers.base import tensor_bytes
+from quantizers.base import state_tensors, tensor_bytes
 
 SLOW_FRACTION = 0.5  # below half the bound *and* a lighter format not faster: flag the kernel path
 SLOW_TAG = "slow kernel path?"
@@ -93,6 +93,8 @@ def shape_from_torch(model: Any) -> ModelShape:
     """Shape of a loaded transformers model, bytes as really stored (see quantizers.base)."""
     seen: set[int] = set()
     total = sum(tensor_bytes(t, seen) for t in list(model.parameters()) + list(model.buffers()))
+    # what decoding moved out of them (bnb int8's row scales, after the first forward), as the audit counts it
+    total += sum(tensor_bytes(t, seen) for m in model.modules() for t in state_tensors(m))
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
     out_w = getattr(out, "weight", None) if out is not None else None
