@@ -59,6 +59,7 @@ def gate_run(name: str, run: int, overrides: str, args: argparse.Namespace) -> d
     extra = SCENARIOS[name][0]
     base = shlex.split(overrides)
     opts = GateOptions(baseline=base, candidate=base + shlex.split(extra), seed=run, mlflow=False,
+                       allow_same=not extra,  # the A/A scenario: the same code and config on purpose
                        **({"budget_s": args.budget} if args.budget else {}))
     res = run_gate(opts)
     if res.error or res.speed is None:

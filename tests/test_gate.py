@@ -601,7 +601,7 @@ def _fake_sides(monkeypatch, slowdown: float, **host) -> None:
 def test_speed_regression_exits_1(tmp_path, mlflow_dir, monkeypatch):
     _fake_sides(monkeypatch, 0.10)
     code, md = run_main(["--baseline", overrides(mlflow_dir, tmp_path), "--candidate",
-                         overrides(mlflow_dir, tmp_path), "--no-mlflow"], tmp_path)
+                         overrides(mlflow_dir, tmp_path), "--no-mlflow", "--allow-same"], tmp_path)  # fake sides differ
     assert code == 1 and "FAIL (regression)" in md and "| regression |" in md
     assert "Stopped: decided: regression" in md
     cpu = env.cpu_info(with_torch=False)
@@ -613,7 +613,8 @@ def test_speed_regression_exits_1(tmp_path, mlflow_dir, monkeypatch):
 def test_undecided_is_a_pass_that_says_so(tmp_path, mlflow_dir, monkeypatch):
     _fake_sides(monkeypatch, 0.0526, jitter=0.3)
     code, md = run_main(["--baseline", overrides(mlflow_dir, tmp_path), "--candidate",
-                         overrides(mlflow_dir, tmp_path), "--no-mlflow", "--max-blocks", "64", "--confidence", "0.99"],
+                         overrides(mlflow_dir, tmp_path), "--no-mlflow", "--max-blocks", "64", "--confidence", "0.99",
+                         "--allow-same"],
                         tmp_path)  # a drop right at the threshold: at 99% one look of 64 blocks cannot decide it
     assert code == 0 and "PASS (speed undecided)" in md and "**Undecided:**" in md and "| undecided |" in md
 
@@ -743,7 +744,7 @@ def test_a_revision_side_runs_its_own_code_even_under_pythonsafepath(monkeypatch
 def test_the_gate_refuses_to_compare_a_commit_with_itself(tmp_path):
     """Same revision and overrides on both sides: refused (such a gate cannot fail), unless the candidate tree has
     changes, the revisions or the configs differ; --allow-same is the A/A check's way round it (tests/test_gate_ci.py)."""
-    from harness.gate.sides import WorkerSide, self_comparison
+    from harness.gate.sides import WorkerSide, same_config, self_comparison
 
     def git(*args: str) -> None:
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
@@ -760,8 +761,9 @@ def test_the_gate_refuses_to_compare_a_commit_with_itself(tmp_path):
     def sides(base_rev: str, cand_rev: str = "", cand: str = "quantizer=bf16") -> str:
         base = WorkerSide("baseline", ["quantizer=bf16"], base_rev, repo=tmp_path)
         other = WorkerSide("candidate", [cand], cand_rev, repo=tmp_path)
-        base.sha = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", base_rev], capture_output=True,
-                                  text=True, check=True).stdout.strip()  # what validate() sets
+        if base_rev:
+            base.sha = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", base_rev], capture_output=True,
+                                      text=True, check=True).stdout.strip()  # what validate() sets
         if cand_rev:
             other.sha = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", cand_rev], capture_output=True,
                                        text=True, check=True).stdout.strip()
@@ -771,8 +773,15 @@ def test_the_gate_refuses_to_compare_a_commit_with_itself(tmp_path):
     assert "--allow-same" in sides("HEAD") and sides("HEAD~1") == ""  # the parent: a real comparison
     assert "compare a commit with itself" in sides("HEAD~1", cand_rev="HEAD~1")  # two revisions that are one
     assert sides("HEAD", cand="quantizer=fp32") == ""  # another config is a comparison too
+    # the candidate at a revision, the baseline this clean checkout at it; both sides this checkout (no revision)
+    assert "compare a commit with itself" in sides("", cand_rev="HEAD")
+    assert "compare a commit with itself" in sides("") and sides("", cand="quantizer=fp32") == ""
+    # the same run asked for in other words: Hydra's last value of a key wins, the order of keys is no matter
+    assert same_config(["quantizer=bf16", "a=1"], ["a=1", "quantizer=fp32", "quantizer=bf16"])
+    assert not same_config(["quantizer=bf16", "a=1"], ["a=1", "quantizer=bf16", "quantizer=fp32"])
     (tmp_path / "a.py").write_text("x = 3\n")  # the candidate has local changes: its code differs from HEAD
     assert sides("HEAD") == ""
+    assert "compare a commit with itself" in sides("")  # ... but both sides of this checkout still run one code
 
 
 def test_calibration_report_names_the_cpu_and_the_whole_date_range(tmp_path, capsys):

@@ -208,23 +208,36 @@ class WorkerSide:
             self.tmp = None
 
 
+def code_of(side: WorkerSide) -> str:
+    """The code a (validated) side runs: its revision's commit; for this checkout, its HEAD when nothing in it
+    differs from HEAD (tracked changes and new untracked files count), else the checkout itself."""
+    if side.rev:
+        return side.sha
+    if git("status", "--porcelain", repo=side.repo):
+        return f"the uncommitted checkout {side.repo}"
+    return git("rev-parse", "HEAD", repo=side.repo)
+
+
+def same_config(a: list[str], b: list[str]) -> bool:
+    """Two override lists that ask for the same run, as Hydra reads them: the last value of a key wins, and the
+    order of different keys does not matter."""
+    def last(overrides: list[str]) -> dict[str, str]:
+        return {o.split("=", 1)[0]: o for o in overrides}
+
+    return last(a) == last(b)
+
+
 def self_comparison(base: WorkerSide, cand: WorkerSide) -> str:
     """One line when the two (validated) sides would run the same code on the same config, else ''. Such a gate
     cannot fail (the brief's "a CI gate that compares a commit with itself"): a push job whose BASE=origin/main is
-    the pushed commit itself, or `--baseline-rev HEAD` on a clean checkout. The candidate's code is its revision,
-    or this checkout's HEAD when nothing in it differs from HEAD (tracked changes and new untracked files count)."""
-    if not base.sha or base.overrides != cand.overrides:
+    the pushed commit itself, `--baseline-rev HEAD` or `--candidate-rev HEAD` on a clean checkout, two sides of this
+    checkout with one config (reordered or repeated overrides too), or `make gate BASE=` (no revision)."""
+    if not same_config(base.overrides, cand.overrides) or (code := code_of(base)) != code_of(cand):
         return ""
-    if cand.rev:
-        same = cand.sha == base.sha
-    else:
-        same = (git("rev-parse", "HEAD", repo=cand.repo) == base.sha
-                and not git("status", "--porcelain", repo=cand.repo))
-    if not same:
-        return ""
-    return (f"--baseline-rev {base.rev} ({base.sha[:12]}) is the candidate's own code and config: the gate would "
-            "compare a commit with itself and could not fail; compare with the parent (BASE=HEAD~1) or the branch "
-            "point (BASE=origin/main in a pull request), or pass --allow-same for an A/A noise check")
+    what = code[:12] if len(code) == 40 else code
+    return (f"{base.where} and {cand.where} run the same code ({what}) on the same config: the gate would compare a "
+            "commit with itself and could not fail; compare with the parent (BASE=HEAD~1) or the branch point "
+            "(BASE=origin/main in a pull request), or pass --allow-same for an A/A noise check")
 
 
 def make_side(label: str, overrides: list[str], rev: str, timeout_s: float, repo: Path | None = None) -> WorkerSide:
