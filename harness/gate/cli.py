@@ -103,17 +103,28 @@ def together(sides: list, call) -> list:
     out: list = [None] * len(sides)
     errors: list = [None] * len(sides)
 
+    done = [threading.Event() for _ in sides]  # not Thread.join: a join interrupted by a signal (3.11) can leave
+    # the thread marked stopped, and a second join then returns at once while it still runs
+
     def one(i: int) -> None:
         try:
             out[i] = call(sides[i])
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in side order
             errors[i] = exc
+        finally:
+            done[i].set()
 
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(sides))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for i in range(len(sides)):
+        threading.Thread(target=one, args=(i,), daemon=True).start()
+    try:
+        for d in done:
+            d.wait()
+    except BaseException:  # Ctrl-C or SIGTERM: stop the sides' work, let the threads end, then the caller cleans up
+        for side in sides:  # (a thread still starting a side would make its worktree after that cleanup)
+            side.stop()
+        for d in done:
+            d.wait()
+        raise
     for exc in errors:
         if exc is not None:
             raise exc

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from harness.gate.errors import GateError
@@ -88,6 +89,7 @@ class WorkerSide:
         self.proc: subprocess.Popen | None = None
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.log_path: Path | None = None
+        self.stopping = threading.Event()  # `stop`: the gate was interrupted while a thread works this side
 
     @property
     def where(self) -> str:
@@ -105,8 +107,17 @@ class WorkerSide:
         if problem := protocol_problem(self.label, self.rev, sha, self.repo):
             raise GateError(problem)
 
+    def stop(self) -> None:
+        """Interrupted (Ctrl-C, SIGTERM) while a thread works this side: its request returns at once and nothing
+        more starts, so the caller's `close` finds every folder, worktree and worker it has to remove."""
+        self.stopping.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
     def start(self) -> None:
         """Start the worker (in a temporary worktree for a revision) and check that it speaks PROTOCOL."""
+        if self.stopping.is_set():
+            raise GateError(f"{self.where}: stopped")
         self.tmp = Path(tempfile.mkdtemp(prefix="qb-gate-"))
         cwd = self.repo
         if self.rev:
@@ -118,6 +129,8 @@ class WorkerSide:
                 self.root = None
                 raise GateError(f"git worktree add {self.rev} failed: {(out.stderr.strip().splitlines() or [''])[-1]}")
             cwd = self.root
+        if self.stopping.is_set():  # interrupted during the worktree: no worker after it
+            raise GateError(f"{self.where}: stopped")
         self.log_path = self.tmp / "worker.log"
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
         # every module comes from the side's own checkout (cwd first on sys.path): PYTHONSAFEPATH would keep the cwd
@@ -156,13 +169,24 @@ class WorkerSide:
             self.lines.put(line)
         self.lines.put(None)
 
+    def _next_line(self) -> str | None:
+        """The worker's next line within `timeout_s` (queue.Empty after it); None once it is stopped or gone."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.stopping.is_set():
+            try:
+                return self.lines.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise
+        return None
+
     def ask(self, request: dict) -> dict:
         """Send one request, wait for its reply (at most `timeout_s`); a failed reply is a GateError."""
         assert self.proc is not None and self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            line = self.lines.get(timeout=self.timeout_s)
+            line = self._next_line()
         except queue.Empty as exc:
             raise GateError(f"{self.where}: no answer to {request['cmd']!r} within {self.timeout_s:.0f} s; raise "
                             "--timeout") from exc
