@@ -31,7 +31,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from harness.measure import now, sync
+from harness.measure import finite, now, sync
 from harness.measure.one_row import gemv_off_onednn, matrices
 
 log = logging.getLogger("quantbench")
@@ -169,7 +169,7 @@ def linear_floor(model: Any, dtype: Any, device: str, gemv_aten: bool = False, r
 
 def positive(value: Any) -> bool:
     """A finite number above 0 (NaN, inf and non-numbers are not)."""
-    return isinstance(value, (int, float)) and 0 < value < float("inf")
+    return finite(value) and value > 0
 
 
 def speculative_apart(metrics: dict) -> str:
