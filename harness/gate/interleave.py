@@ -89,7 +89,7 @@ def measure_sequential(base: Any, cand: Any, plan: Plan, clock: Callable[[], flo
     Returns the per-block tokens/s of each side (pairs in AB, BA, ... order) and the comparison.
     """
     sizes = stats.look_schedule(plan.min_pairs, plan.max_pairs)
-    alpha = stats.pocock_alpha(tuple(sizes), 1.0 - plan.confidence)
+    alpha = stats.look_alpha(tuple(sizes), plan.confidence)
     k = plan.block_steps
     order = ((base, "baseline"), (cand, "candidate"), (cand, "candidate"), (base, "baseline"))
     for side, _ in order:  # one untimed group: first calls allocate, fill caches, size injected work
@@ -111,8 +111,7 @@ def measure_sequential(base: Any, cand: Any, plan: Plan, clock: Callable[[], flo
         over = spent >= plan.budget_s and len(a) >= MIN_BUDGET_PAIRS
         if len(a) < sizes[nxt] and not over:
             continue
-        lk = stats.look(stats.log_ratios(a, b), plan.threshold, alpha, plan.resamples, plan.seed + len(looks),
-                        plan.trim, stats.totals_log_ratio(a, b, *tokens))
+        lk = stats.look(a, b, plan.threshold, alpha, plan.resamples, plan.seed + len(looks), plan.trim, *tokens)
         few = lk.pairs < MIN_DECIDE_PAIRS
         if few:
             lk.decision = stats.UNDECIDED
@@ -120,9 +119,13 @@ def measure_sequential(base: Any, cand: Any, plan: Plan, clock: Callable[[], flo
         if on_look is not None:
             on_look(lk)
         if lk.decision == stats.REGRESSION:
-            stop = f"decided: regression (upper bound below the threshold at look {len(looks)})"
+            which = ("upper bound below the threshold" if lk.high < math.log(1.0 - plan.threshold) else
+                     f"total tokens / total time {math.expm1(lk.totals):+.1%}: its upper bound below the threshold, "
+                     "while the trimmed estimate drops the slow blocks as outliers: a slowdown in some blocks only "
+                     "(one prompt, periodic stalls)")
+            stop = f"decided: regression ({which} at look {len(looks)})"
         elif lk.decision == stats.NO_REGRESSION:
-            stop = f"decided: no regression (lower bound above the threshold at look {len(looks)})"
+            stop = f"decided: no regression (both lower bounds above the threshold at look {len(looks)})"
         elif over:
             stop = (f"time budget of {plan.budget_s:g} s spent; still undecided (a pass that says so)"
                     + (f"; {lk.pairs} blocks per side, fewer than the {MIN_DECIDE_PAIRS} a decision needs" if few
@@ -138,8 +141,9 @@ def measure_sequential(base: Any, cand: Any, plan: Plan, clock: Callable[[], flo
 
 
 def _vetoed(lk: stats.Look, threshold: float) -> str:
-    """Why a look whose lower bound clears the threshold is still undecided (stats.decide), or ''."""
+    """Why a look whose trimmed lower bound clears the threshold is still undecided (stats.decide), or ''."""
     if lk.low > math.log(1.0 - threshold) and lk.decision == stats.UNDECIDED:
         return (f"; the trimmed estimate clears -{threshold:.0%} but total tokens / total time changed "
-                f"{math.expm1(lk.totals):+.1%}: a slowdown in some blocks only (one prompt, periodic stalls)")
+                f"{math.expm1(lk.totals):+.1%} [{math.expm1(lk.totals_low):+.1%}, {math.expm1(lk.totals_high):+.1%}]: "
+                "not a clear pass (a slowdown in some blocks only, or a few very slow blocks)")
     return ""
