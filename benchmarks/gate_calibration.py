@@ -69,7 +69,8 @@ def gate_run(name: str, run: int, overrides: str, args: argparse.Namespace) -> d
             "ci_high": s.ci_high, "pairs": s.pairs, "looks": len(s.looks), "alpha_look": s.alpha,
             "speed_s": s.seconds, "seconds": res.seconds, "stop": s.stop, "order_effect": s.order_effect,
             "cv_ratio": s.cv_ratio, "cv_baseline": s.cv_baseline, "lag1": s.lag1, "block_steps": s.block_steps,
-            "budget_s": opts.budget_s}
+            "budget_s": opts.budget_s, "change_totals": s.change_totals, "ci_low_totals": s.ci_low_totals,
+            "ci_high_totals": s.ci_high_totals}
 
 
 def ci_run(run: int, overrides: str, base: str) -> dict:
@@ -198,6 +199,7 @@ def main() -> int:
             fh.flush()
             what = (f"exit {row['exit']}" if name == "ci" else row.get("error") or
                     f"{row['verdict']:13s} change {row['change']:+.1%} [{row['ci_low']:+.1%}, {row['ci_high']:+.1%}] "
+                    f"totals {row['change_totals']:+.1%} [{row['ci_low_totals']:+.1%}, {row['ci_high_totals']:+.1%}] "
                     f"{row['pairs']} blocks/side, {row['looks']} looks, speed {row['speed_s']:.1f} s")
             print(f"  {name} {run + 1 - args.first}/{runs}: {what} ({row['seconds']:.1f} s)", flush=True)
     print()

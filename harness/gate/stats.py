@@ -336,7 +336,7 @@ def speed_stats(baseline, candidate, threshold: float = 0.05, resamples: int = 2
     """One look at complete samples (pairs in AB, BA, ... order) with the level of a `looks`-look plan.
 
     `looks` > 1 uses the per-look level of that many doubling looks ending at this sample size, as the
-    sequential gate would at its last look; 1 is a single fixed-size test at level 1 - confidence.
+    sequential gate would at its last look; 1 is a single fixed-size test, each statistic at (1 - confidence) / 2.
     """
     if not 0.5 <= confidence < 1:
         raise GateError(f"confidence={confidence} must be in [0.5, 1)")
