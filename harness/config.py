@@ -136,7 +136,7 @@ class AccuracyConfig(Validated):
     enabled: bool = True
     corpus: str = "builtin"  # builtin | a local text file | an HF datasets id "name[:config[:split]]"
     context_length: int = 512
-    stride: int = 512  # < context_length: overlapping windows, each token scored once
+    stride: int = 512  # < context_length: overlapping windows, each token scored once (= context: at most once)
     max_tokens: int = 4096  # score at most this many corpus tokens (0 = all)
     reference_dtype: str = "float32"
     kl: bool = True  # KL divergence and top-1 agreement against the reference

@@ -305,3 +305,17 @@ def test_the_memory_estimate_covers_what_the_accuracy_pass_holds():
     assert out["scored_tokens"] == n and out["kl_div_mean"] > 0
     parts = {k: v / 2**20 for k, v in memory.accuracy_parts(cfg, vocab, hidden=576).items()}
     assert parts["accuracy logits"] < held <= parts["accuracy logits"] + parts["accuracy KL"], (held, parts)
+
+
+def test_corpus_tokens_reads_on_until_max_tokens_when_tokens_are_long(tmp_path):
+    """The corpus was cut to 12 chars a token before tokenizing: text whose tokens pack more (SmolLM2 packs 64
+    spaces or dashes into one) silently scored a fraction of `accuracy.max_tokens`."""
+    corpus = tmp_path / "rules.txt"
+    corpus.write_text("-" * 64 * 5000)
+
+    def tok(text, add_special_tokens=False):  # 64 characters a token, as SmolLM2 on a line of dashes
+        return {"input_ids": list(range(len(text) // 64))}
+
+    assert len(acc.corpus_tokens(tok, str(corpus), 4096)) == 4096
+    assert len(acc.corpus_tokens(tok, str(corpus), 0)) == 5000  # 0: the whole corpus
+    assert len(acc.corpus_tokens(tok, str(corpus), 9000)) == 5000  # all there is

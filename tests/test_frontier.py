@@ -100,11 +100,29 @@ def test_holm_changes_a_borderline_verdict():
     cells[2]["metrics"]["tasks_acc_mcnemar_p"] = 0.01
     line = next(x for x in frontier.recommendations(list(pts(cells).values())) if "not significantly lower" in x)
     assert "**int8 (k-int8)**" in line and "gptq" not in line
-    # the task axis: loss = reference - run accuracy, pooled over examples, +-1.96 paired SE
+    # the task axis: loss = reference - run accuracy, pooled over examples; its interval is Agresti-Min's
     diff, se = intervals.pooled_paired(30, 15, 1000)
     d = np.array([-1] * 30 + [1] * 15 + [0] * 955, dtype=float)
     assert diff == pytest.approx(d.mean()) and se == pytest.approx(d.std(ddof=1) / math.sqrt(1000))
-    assert got["gptq"].loss == pytest.approx(0.015) and got["gptq"].loss_hi == pytest.approx(0.015 + 1.96 * se, 1e-3)
+    lo, hi = intervals.paired_interval(30, 15, 1000)
+    assert got["gptq"].loss == pytest.approx(0.015) and got["gptq"].loss_hi == pytest.approx(-lo)
+    assert -hi < 0.015 < -lo and -lo == pytest.approx(0.015 + 1.96 * se, abs=2e-3)  # ~Wald with many flips
+
+
+def test_few_task_flips_dominate_nothing_mcnemar_does_not_reject():
+    # 4 answers lost, none gained in 100 (McNemar's exact p 0.125) against a faster format that flipped none:
+    # the Wald interval (zero wide at no flips, [+0.001, +0.079] at 4/0) called the slower one dominated
+    assert intervals.paired_interval(4, 0, 100) == pytest.approx((-0.0815, 0.0031), abs=2e-4)
+    lo, hi = intervals.paired_interval(0, 0, 100)
+    assert lo < 0 < hi and hi - lo > 0.03  # no flips in 100 is not an exact zero difference
+    def cells(lost: int, p: float) -> list[dict]:
+        return [cell("none", 10.0, flips=(0, 0), p=1.0, n=100), cell("slow4", 14.0, flips=(lost, 0), p=p, n=100),
+                cell("fast0", 18.0, flips=(0, 0), p=1.0, n=100)]
+
+    got = pts(cells(4, 0.125))
+    assert got["slow4"].loss_kind == "task" and got["slow4"].loss == pytest.approx(0.04)
+    assert got["slow4"].loss_lo < 0 < got["fast0"].loss_hi and got["slow4"].dominated_by == []
+    assert pts(cells(30, 1e-9))["slow4"].dominated_by == ["quantizer=fast0"]  # a real loss still is
 
 
 def test_runs_from_two_cpus_never_share_a_panel(tmp_path, monkeypatch):
@@ -170,6 +188,23 @@ def test_block_bootstrap_is_wider_on_correlated_series():
     lo32, hi32 = intervals.block_bootstrap_mean(runs, block=32)
     assert (hi32 - lo32) > 3 * (hi1 - lo1)  # treating correlated tokens as independent is ~sqrt(32) too narrow
     assert intervals.block_bootstrap_mean(runs, block=32) == intervals.block_bootstrap_mean(runs, block=32)
+
+
+def test_block_bootstrap_of_a_short_series_is_not_zero_wide_and_holds_its_mean():
+    # blocks that had to fit inside the series: n <= 32 gave lo == hi == mean; n = 40 under-drew both ends
+    rng = np.random.default_rng(2)
+    for n in (2, 10, 30, 40, 64):
+        x = rng.exponential(size=n)
+        lo, hi = intervals.block_bootstrap_mean(x)
+        assert lo < x.mean() < hi, n
+    outside = 0
+    for seed in range(100):  # AR(0.8) series of 40: the mean fell outside its own interval in 71 of 300
+        e = np.random.default_rng(seed).normal(size=40)
+        for i in range(1, 40):
+            e[i] = 0.8 * e[i - 1] + e[i]
+        lo, hi = intervals.block_bootstrap_mean(np.exp(e / 3))
+        outside += not lo <= np.exp(e / 3).mean() <= hi
+    assert outside <= 3
 
 
 def test_scaling_sweeps_get_speed_against_weight_bytes():

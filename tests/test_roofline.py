@@ -203,6 +203,10 @@ def test_second_half_scoring_rule():
     spans = windows(4096, 512, 512, "second_half")
     assert spans == [(i * 512, (i + 1) * 512, 255) for i in range(8)]
     assert sum(n for *_, n in windows(4096, 512, 512)) == 8 * 511
+    # whole chunks only, as llama-perplexity (n_tokens / n_ctx chunks): a 76-token tail would score 37 tokens
+    # with 39-75 tokens of context, not the half window the rule promises
+    assert windows(1100, 512, 512, "second_half") == [(0, 512, 255), (512, 1024, 255)]
+    assert windows(500, 512, 512, "second_half") == []
     with pytest.raises(ConfigError, match="stride"):
         AccuracyConfig(scoring="second_half", stride=256, context_length=512)
     with pytest.raises(ConfigError, match="choose one of"):

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import FAST, ROOT
 from standin_tasks import mc_task as _mc  # BIG-bench-shaped multiple choice
@@ -171,12 +172,12 @@ def test_a_run_logs_task_accuracy_paired_with_a_cached_reference(compose, cache,
         n = m[f"task_{t}_examples"]
         for metric in ta.METRICS:
             p = f"task_{t}_{metric}"
-            assert 0 <= m[p] <= 1 and 0 <= m[f"{p}_ref"] <= 1
             assert m[f"{p}_stderr"] == pytest.approx(math.sqrt(m[p] * (1 - m[p]) / (n - 1)))  # lm-eval's: sd / sqrt(n)
             assert m[p] - m[f"{p}_ref"] == pytest.approx(m[f"{p}_diff"])
             # acc moves by exactly the flips: gained minus lost, over the examples
             assert m[f"{p}_diff"] == pytest.approx((m[f"{p}_wrong_to_right"] - m[f"{p}_right_to_wrong"]) / n)
-            assert 0 < m[f"{p}_mcnemar_p"] <= 1
+            assert m[f"{p}_mcnemar_p"] == pytest.approx(ta.mcnemar_p(int(m[f"{p}_right_to_wrong"]),
+                                                                   int(m[f"{p}_wrong_to_right"])))
     assert m["tasks_acc_mean"] == pytest.approx((m["task_toy_acc"] + m["task_toy_b_acc"]) / 2)
     assert "kl_div_mean" in m and "perplexity" in m  # beside, not instead of
 
@@ -186,6 +187,14 @@ def test_a_run_logs_task_accuracy_paired_with_a_cached_reference(compose, cache,
     ref = ta.read_record(records[0])
     assert ref.indices == T.subset(12, 8, 0) and len(ref.lls) == 8
     assert m["task_toy_acc_ref"] == pytest.approx(sum(ref.acc) / 8)
+    # lm-eval's acc, checked against the rule itself: the highest summed log-likelihood picks a gold choice
+    # (acc_norm: per character of the choice, lm-eval's len(choice))
+    task = T.load("toy")
+    for i, lls, acc, acc_norm in zip(ref.indices, ref.lls, ref.acc, ref.acc_norm, strict=True):
+        ex = task.examples[i]
+        assert acc == int(int(np.argmax(lls)) in ex.gold)
+        per_char = [ll / len(c) for ll, c in zip(lls, ex.choices, strict=True)]
+        assert acc_norm == int(int(np.argmax(per_char)) in ex.gold)
     again = runner.run(compose([*overrides, "quantizer=fp32", "accuracy.kl=false"]))  # the reference: nothing flips
     assert again.status == "OK", again.error
     assert again.tags["tasks.reference_cache"] == "hit"

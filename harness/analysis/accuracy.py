@@ -65,9 +65,14 @@ _ROWS = KL_CHUNK_ROWS  # tokens per float64 chunk
 
 def corpus_tokens(tokenizer: Any, spec: str, max_tokens: int) -> list[int]:
     text = load_corpus(spec)
-    if max_tokens:
-        text = text[: max_tokens * 12]  # no tokenizer averages more than ~12 chars per token on prose
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # tokenize a prefix, not the whole corpus: ~12 chars per token covers prose; text that packs more per
+    # token (SmolLM2 packs 64 spaces or dashes into one) takes a 4x longer prefix, until enough or all of it
+    cut = max_tokens * 12 if max_tokens else len(text)
+    while True:
+        ids = tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+        if not max_tokens or len(ids) > max_tokens or cut >= len(text):
+            break
+        cut *= 4
     ids = ids[:max_tokens] if max_tokens else ids
     if len(ids) < 2:
         raise QuantbenchError(f"accuracy.corpus={spec!r} has fewer than 2 tokens; give a longer text")
@@ -75,17 +80,19 @@ def corpus_tokens(tokenizer: Any, spec: str, max_tokens: int) -> list[int]:
 
 
 def windows(n_tokens: int, context: int, stride: int, scoring: str = "all") -> list[tuple[int, int, int]]:
-    """(begin, end, n_scored) per window; no token is scored twice.
+    """(begin, end, n_scored) per window; no token is scored twice (with stride == context, the first token
+    of each window is scored by none: it has no context in its window).
 
-    `scoring="second_half"` is llama-perplexity's rule (stride == context): of each chunk only the tokens
-    after its first half are scored, so every scored token has at least half a window of context.
+    `scoring="second_half"` is llama-perplexity's rule (stride == context): whole chunks only (a shorter last
+    chunk is dropped, as llama-perplexity's `n_tokens / n_ctx` chunks drop it), and of each chunk only the
+    tokens after its first half are scored, so every scored token has at least half a window of context.
     """
     out, prev_end, begin = [], 0, 0
     while True:
         end = min(begin + context, n_tokens)
         n_new = min(end - prev_end, end - begin - 1)  # a window's first token has no context in it
         if scoring == "second_half":
-            n_new = (end - begin) - (end - begin) // 2 - 1
+            n_new = (end - begin) - (end - begin) // 2 - 1 if end - begin == context else 0
         if n_new > 0:
             out.append((begin, end, n_new))
         prev_end = end
@@ -98,7 +105,8 @@ def spans(n_tokens: int, cfg: AccuracyConfig) -> list[tuple[int, int, int]]:
     """`windows` of `cfg` over `n_tokens`; one line, not a division by zero, when they score no token."""
     out = windows(n_tokens, cfg.context_length, cfg.stride, cfg.scoring)
     if not out:
-        why = " (each chunk's first half is context only)" if cfg.scoring == "second_half" else ""
+        why = (f" (whole chunks of {cfg.context_length} only, and each chunk's first half is context only)"
+               if cfg.scoring == "second_half" else "")
         raise QuantbenchError(f"accuracy.corpus={cfg.corpus!r}: its {n_tokens} tokens leave none to score with "
                               f"accuracy.scoring={cfg.scoring}{why}; give a longer text")
     return out

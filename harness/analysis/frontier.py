@@ -136,9 +136,10 @@ def points(rows: list[dict], baseline: str, probes: list[dict] | None = None) ->
                    kl_hi=_num(m, "kl_div_mean_hi"))
         n, r2w, w2r = (_num(m, k) for k in ("tasks_examples", "tasks_acc_right_to_wrong", "tasks_acc_wrong_to_right"))
         if n and r2w is not None and w2r is not None:
-            diff, se = intervals.pooled_paired(r2w, w2r, n)
+            diff, _ = intervals.pooled_paired(r2w, w2r, n)
+            lo, hi = intervals.paired_interval(r2w, w2r, n)  # not diff -/+ z se: zero wide at no flips
             pt.loss_kind, pt.loss = "task", 0.0 - diff  # 0.0 - : no "-0.0" for a format that changed nothing
-            pt.loss_lo, pt.loss_hi = pt.loss - intervals.Z95 * se, pt.loss + intervals.Z95 * se
+            pt.loss_lo, pt.loss_hi = -hi, -lo
             pt.p_raw = _num(m, "tasks_acc_mcnemar_p")
         elif pt.kl is not None:
             pt.loss_kind, pt.loss = "kl", pt.kl
