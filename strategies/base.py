@@ -72,6 +72,10 @@ class Strategy:
         """Group the prompt set into generate calls (default: one prompt per call)."""
         return [[p] for p in prompts]
 
+    def workload_problem(self, prompts: int) -> str | None:
+        """One line when this strategy cannot decode a workload of `prompts` prompts as its metrics describe it."""
+        return None
+
     def preflight(self) -> None:
         """Cheap checks before any model loads (e.g. draft tokenizer compatibility)."""
 

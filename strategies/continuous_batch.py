@@ -102,6 +102,14 @@ class ContinuousBatch(Strategy):
             raise QuantbenchError("strategy=continuous_batch needs transformers >= 5 (generate_batch with paged "
                                   "attention); install the pinned transformers==5.24.0") from exc
 
+    def workload_problem(self, prompts: int) -> str | None:
+        if self.requests < prompts:  # the stream takes the first `requests` prompts: the rest would never run
+            return (f"strategy.requests={self.requests} is fewer than the workload's {prompts} prompts: "
+                    f"{prompts - self.requests} would never run while prompt_len_tokens and the workload tags "
+                    f"describe all {prompts}; set strategy.requests >= {prompts} (a multiple of {prompts} runs each "
+                    "prompt equally often) or give fewer prompts")
+        return None
+
     def batches(self, prompts: list[list[int]]) -> list[list[list[int]]]:
         return [[prompts[i % len(prompts)] for i in range(self.requests)]] if prompts else []
 

@@ -89,11 +89,13 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
     step_s: list[float] = []
     draft_s = verify_s = 0.0
     kv_read = 0  # KV positions the verify forwards attended over (roofline)
+    budget_steps = 0  # steps the token budget left no room to draft in (one token left): not a drafter's miss
     while not done and len(gen) < opts.max_new_tokens:
         kk = min(k, opts.max_new_tokens - len(gen) - 1)  # never draft past the token budget
         sync(device)
         t = now()
         draft = drafter.propose(seq, kk) if kk > 0 else []
+        budget_steps += kk == 0
         sync(device)
         t_mid = now()
         have = len(seq) - 1  # target cache holds all but the newest token
@@ -130,7 +132,8 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
     return Generation(sequences=[gen], prompt_tokens=len(prompt), ttft_s=ttft, step_s=step_s,
                       decode_tokens=len(gen) - 1, decode_wall_s=decode_wall,
                       stats={"steps": steps, "draft_s": draft_s, "verify_s": verify_s, "kv_read": kv_read,
-                             "draft_forwards": drafter.forwards, "draft_kv_read": drafter.kv_read})
+                             "draft_forwards": drafter.forwards, "draft_kv_read": drafter.kv_read,
+                             "budget_steps": budget_steps})
 
 
 @model_grad_mode  # inference_mode, or no_grad where the quantizer needs it (quanto int4)
@@ -339,6 +342,7 @@ class Speculative(Strategy):
     def metrics(self, generations: list[Generation]) -> dict[str, float]:
         steps = [s for g in generations for s in g.stats["steps"]]
         drafted = [(d, a) for d, a in steps if d > 0]
+        budget = sum(g.stats.get("budget_steps", 0) for g in generations)
         n_draft = sum(d for d, _ in drafted)
         n_acc = sum(a for _, a in drafted)
         draft_s = sum(g.stats["draft_s"] for g in generations)
@@ -352,11 +356,13 @@ class Speculative(Strategy):
             "greedy_match": min((g.stats.get("greedy_match", 1.0) for g in generations), default=1.0),
             "spec_tie_flips": float(sum(g.stats.get("tie_flips", 0) for g in generations)),
             "spec_max_gap_ulps": max((g.stats.get("max_gap_ulps", 0.0) for g in generations), default=0.0),
-            "acceptance_rate": n_acc / n_draft if n_draft else 0.0,
-            "mean_accepted_tokens": n_acc / len(drafted) if drafted else 0.0,  # per step that drafted
+            "acceptance_rate": n_acc / n_draft if n_draft else float("nan"),  # NaN, not 0 ("all rejected"): none drafted
+            "mean_accepted_tokens": n_acc / len(drafted) if drafted else float("nan"),  # per step that drafted
             # tokens each verify step emitted: a + 1, or fewer where EOS cut the step (decode tokens are exact)
             "tokens_per_verify_step": sum(g.decode_tokens for g in generations) / len(steps) if steps else float("nan"),
-            "empty_draft_fraction": 1.0 - len(drafted) / len(steps) if steps else float("nan"),
+            # of the steps the drafter was asked to fill: a last step with one token of budget left drafts nothing
+            # by the budget's rule, not the drafter's (a model draft always proposes)
+            "empty_draft_fraction": 1.0 - len(drafted) / asked if (asked := len(steps) - budget) else float("nan"),
             "verify_steps": float(len(steps)),
             "draft_ms_per_step": 1000.0 * draft_s / len(steps) if steps else float("nan"),
             "verify_ms_per_step": 1000.0 * verify_s / len(steps) if steps else float("nan"),
@@ -375,7 +381,7 @@ class Speculative(Strategy):
                         "<= %g): rounding of the k+1-token verify forward, not a bug; greedy_match=0",
                         out["spec_tie_flips"], out["spec_max_gap_ulps"], near_tie.NEAR_TIE_ULPS)
         for n in range(self.num_draft_tokens + 1):  # histogram over steps that drafted something
-            out[f"accepted_len_{n}"] = sum(1 for _, a in drafted if a == n) / len(drafted) if drafted else 0.0
+            out[f"accepted_len_{n}"] = sum(1 for _, a in drafted if a == n) / len(drafted) if drafted else float("nan")
         out.update(self._draft_metrics)
         return out
 

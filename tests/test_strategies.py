@@ -416,3 +416,20 @@ def test_continuous_batch_itl_is_per_request(monkeypatch):
     m.update(cb.ContinuousBatch(requests=3).metrics([gen]))  # as the pipeline merges them: strategy last
     assert m["ttft_ms"] == pytest.approx(1200.0) and m["ttft_ms_p90"] == m["request_ttft_ms_p90"]  # per request
     assert m["e2e_ms"] == pytest.approx(1000.0 * (1.0 + 5.0))  # the call's: its first token, then the stream
+
+
+def test_a_stream_shorter_than_the_prompt_set_is_refused_before_any_weights_load(compose, results_overrides,
+                                                                                 monkeypatch):
+    """strategy.requests=2 over the 4 default prompts decoded only the first 2, while prompt_len_tokens and the
+    workload tags described all 4 (a median of 101.5 tokens for prompts whose median was 46.5)."""
+    from harness.run import pipeline
+
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded before the refusal")
+
+    monkeypatch.setattr(pipeline.Pipeline, "_add", lambda self, *a: no_load(), raising=True)
+    result = runner.run(compose([*FAST, "strategy=continuous_batch", "strategy.requests=2", "accuracy.enabled=false",
+                                 *results_overrides]))
+    assert result.status == "FAILED"
+    assert result.error.startswith("strategy.requests=2 is fewer than the workload's 4 prompts: 2 would never run")
+    assert "\n" not in result.error

@@ -5,6 +5,7 @@ request it counts (prefix sharing off unless asked for)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from types import SimpleNamespace
@@ -126,6 +127,34 @@ def test_acceptance_counts_rejected_draft_tokens(target):
     gen.stats.update(greedy_e2e_s=1.0, greedy_decode_tokens_per_s=1.0, greedy_match=1.0)
     m = Speculative(draft="model", num_draft_tokens=4).metrics([gen])
     assert m["acceptance_rate"] == pytest.approx(10 / 36) and m["mean_accepted_tokens"] == 1.0
+
+
+class Perfect(OneRight):
+    def propose(self, seq, k):
+        return self.ref[len(seq):len(seq) + k]
+
+
+def test_a_perfect_draft_is_never_empty_and_nothing_drafted_is_nan_not_zero(target):
+    """A perfect drafter: its last step, with one token of budget left, drafts nothing by the budget's rule, not
+    the drafter's (empty_draft_fraction was 1/6 here). With a 2-token limit nothing is ever drafted: acceptance 0
+    read "every draft rejected" for a perfect draft; it is NaN."""
+    prompt = [9, 10, 11, 12, 13, 14, 15, 9, 10, 11]
+
+    def run(limit, k):
+        opts = DecodeOptions(max_new_tokens=limit)
+        ref = [*prompt, *greedy_generate(target, [prompt], opts).sequences[0]]
+        gen = speculative_generate(target, prompt, opts, Perfect(ref), k)
+        assert gen.sequences[0] == ref[len(prompt):]
+        gen.stats.update(greedy_e2e_s=1.0, greedy_decode_tokens_per_s=1.0, greedy_match=1.0)
+        return gen, Speculative(draft="model", num_draft_tokens=k).metrics([gen])
+
+    gen, m = run(12, 1)
+    assert gen.stats["steps"][-1] == (0, 0) and gen.stats["budget_steps"] == 1  # the budget's last step
+    assert m["empty_draft_fraction"] == 0.0 and m["acceptance_rate"] == 1.0
+    gen, m = run(2, 4)
+    assert gen.stats["steps"] == [(0, 0)]
+    for name in ("acceptance_rate", "mean_accepted_tokens", "empty_draft_fraction", "accepted_len_0", "accepted_len_4"):
+        assert math.isnan(m[name]), name
 
 
 def test_the_greedy_reference_rate_is_a_median_over_the_references_that_decoded():
@@ -392,3 +421,30 @@ def test_the_kernel_profile_leaves_out_the_greedy_reference(target, monkeypatch)
     assert tags["kernel.linear_calls_per_step"] == str(round(per_step)), tags
     assert tags["kernel.profiled"] == ("whole generation, prefill included (5 tokens a row; per step = total / 4): "
                                        "the speculative loop alone (draft + verify forwards), not its greedy reference")
+
+
+def test_a_static_batch_whose_rows_stop_at_eos_is_counted_by_its_measured_steps(target):
+    """Rows finished at EOS are computed every step but not counted: a step emitted fewer tokens than the batch.
+    achieved_gb_per_s must stay bytes per step x measured steps per second, and the floor's step the measured step;
+    both took a step as batch_size tokens (~3x off on this batch)."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 259) for _ in range(n)] for n in (3, 17, 9, 30)]
+    free = greedy_generate(target, prompts, DecodeOptions(max_new_tokens=32, stop_at_eos=False))
+    eos = free.sequences[1][2]  # row 1 stops after 3 tokens; a row whose output lacks it runs all 32
+    opts = DecodeOptions(max_new_tokens=32, eos_token_id=eos, pad_token_id=0, stop_at_eos=True)
+    sb = StaticBatch(batch_size=4)
+    gens = [sb.generate(target, prompts, opts) for _ in range(2)]
+    m = {**sb.metrics(gens), **roofline.tokens_per_step(gens)}
+    steps, tokens = sum(len(g.step_s) for g in gens), sum(g.decode_tokens for g in gens)
+    wall = sum(g.decode_wall_s for g in gens)
+    assert m["decode_tokens_per_step"] == pytest.approx(tokens / steps) and m["decode_tokens_per_step"] < 3.5
+    m["decode_tokens_per_s"] = tokens / wall
+    assert floor.decode_step_ms(m) == pytest.approx(1e3 * wall / steps)
+    work = roofline.eos_step(m, 40.0)
+    assert work.accounting == roofline.STEP_ACCOUNTING_EOS
+    r = roofline.roofline_metrics(roofline.shape_from_torch(target), Bandwidth(50e9, "test"), 4, 40.0,
+                                  m["decode_tokens_per_s"], work)
+    assert r["achieved_gb_per_s"] == pytest.approx(r["bytes_per_step"] * steps / wall / 1e9)
+    # every row emitting every step: the batch's own accounting, unchanged
+    assert roofline.eos_step({"batch_size": 4.0, "decode_tokens_per_step": 4.0}, 40.0) is None

@@ -158,6 +158,7 @@ def bytes_per_step(shape: ModelShape, batch: int, context: float) -> float:
 
 
 STEP_ACCOUNTING = "decode_step"  # tag roofline_accounting of a step that is one target forward per batch row
+STEP_ACCOUNTING_EOS = "decode_step, rows past EOS"  # ... whose rows finished at EOS early (`eos_step`)
 
 
 @dataclass
@@ -170,6 +171,21 @@ class StepWork:
     extra_bytes: float  # read per step besides the target's weights and KV (a draft model's weights and KV)
     tokens_per_step: float  # tokens a step emits on average (stands in for the batch)
     accounting: str  # tag roofline_accounting
+
+
+def tokens_per_step(gens: list) -> dict[str, float]:
+    """`decode_tokens_per_step` of a step loop, measured: a row past its EOS is computed each step, not counted."""
+    steps = sum(len(g.step_s) for g in gens)
+    return {"decode_tokens_per_step": sum(g.decode_tokens for g in gens) / steps} if steps else {}
+
+
+def eos_step(metrics: dict, context: float) -> StepWork | None:
+    """The step of a run whose rows did not all emit a token every step (`tokens_per_step` below the batch): achieved
+    GB/s stays bytes per step x measured steps per s. None: the roofline's own accounting (a step is the batch)."""
+    per_step = metrics.get("decode_tokens_per_step")
+    if per_step is None or not per_step < float(metrics.get("batch_size", 1) or 1) - 1e-9:
+        return None
+    return StepWork(context=context, extra_bytes=0.0, tokens_per_step=per_step, accounting=STEP_ACCOUNTING_EOS)
 
 
 def roofline_metrics(shape: ModelShape, bw: Bandwidth, batch: int, context: float,

@@ -191,10 +191,13 @@ def speculative_apart(metrics: dict) -> str:
 
 def decode_step_ms(metrics: dict) -> float | None:
     """The run's decode step in ms: the tokens a step emits / decode tokens per s, as harness/analysis/roofline.py
-    counts a step (StepWork.tokens_per_step): the batch, or `tokens_per_verify_step` for a speculative step (batch /
+    counts a step (StepWork.tokens_per_step): the batch, the measured `decode_tokens_per_step` of a step loop (below
+    the batch when rows finished at EOS early), or `tokens_per_verify_step` for a speculative step (batch /
     tokens per s read that step that many times too short)."""
     tps = metrics.get("decode_tokens_per_s")
-    per_step = metrics.get("tokens_per_verify_step", metrics.get("batch_size", 1) or 1)
+    # a static batch whose rows finished at EOS early still computes them: the measured tokens a step emitted
+    per_step = metrics.get("tokens_per_verify_step", metrics.get("decode_tokens_per_step",
+                                                                 metrics.get("batch_size", 1) or 1))
     if not (positive(tps) and positive(per_step)):
         return None
     return 1e3 * float(per_step) / float(tps)

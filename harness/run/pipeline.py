@@ -113,6 +113,8 @@ class Pipeline:
         self.tokenizer = tokenizer = load_tokenizer(exp.model)
         self.workload = wl = workloads.resolve(m, tokenizer)  # exact lengths checked before any weights load
         workloads.check_resolved(wl, exp.model)
+        if problem := exp.strategy.workload_problem(len(wl.prompts)):
+            raise QuantbenchError(problem)  # before any weights load
         self.session = exp.engine.open(exp, self.device, self.threads)
         self._add(self.session.references(tokenizer))
         if exp.accuracy.enabled and exp.accuracy.tasks:  # the reference's task answers, cached
@@ -168,6 +170,8 @@ class Pipeline:
         metrics.update(workloads.metrics(wl, gens, self.session.model_config, metrics.get("params")))
         self.tags.update(workloads.record(wl))
         metrics.update(exp.strategy.metrics(gens))
+        if not exp.strategy.schedules_rows and "tokens_per_verify_step" not in metrics:
+            metrics.update(roofline.tokens_per_step(gens))  # the roofline's and the floor's step (rows past EOS)
         # peak memory of loading and timing, read before the side measurements below: the floor row's graph pool
         # and an eager dequantizing profile step (torchao int8 on CUDA) would add their transients to it
         peak = measure.peak_memory_mb(self.device)
@@ -208,7 +212,8 @@ class Pipeline:
             context = roofline.fixed_context(lengths)
         else:
             context = roofline.mean_context(widths)
-        work = self.exp.strategy.roofline_step(gens)  # a step of more than one target forward (speculative)
+        # a step of more than one target forward (speculative), or one whose rows finished at EOS early
+        work = self.exp.strategy.roofline_step(gens) or roofline.eos_step(self.metrics, context)
         roofline.annotate(self.metrics, self.tags, self.session.shape(), self.device, self.threads, context,
                           roofline.run_group(self.exp, self.exp.engine.name), self.session.label, work)
 
