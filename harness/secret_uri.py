@@ -35,6 +35,21 @@ def has_password(uri: str) -> bool:
     return url.password is not None or any(k.lower() in SECRET_KEYS for k in url.query)
 
 
+def secrets(uri: str) -> list[str]:
+    """The secret values `uri` holds (its password, query passwords): to mask them in text that quotes them."""
+    uri = str(uri)
+    if not has_password(uri):
+        return []
+    url = _url(uri)
+    if url is None:
+        return [p] if (p := urllib.parse.urlsplit(uri).password) else []
+    found = [str(url.password)] if url.password is not None else []
+    for k, v in url.query.items():
+        if k.lower() in SECRET_KEYS:
+            found += [v] if isinstance(v, str) else list(v)
+    return [s for s in found if s]
+
+
 def redact(uri: str) -> str:
     """`uri` with every password masked (`***`), for anything printed or logged; unchanged when it holds none."""
     uri = str(uri)

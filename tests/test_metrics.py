@@ -172,6 +172,26 @@ def test_a_ratio_compares_within_the_same_threads_and_invocation_and_names_llama
     assert llama["quantizer"] == "llama_cpp:Q8_0" and llama["ratio"] == pytest.approx(40.0 / 180.0)
 
 
+def test_a_ratio_compares_within_the_same_kv_cache_and_compile_settings_but_across_a_formats_own_path():
+    """A sweep of quantizer=none,bf16 x measure.cache=dynamic,static had two `none` cells with one key: the first
+    was every row's baseline (bf16 on a static cache over none on a dynamic one; the static none over the dynamic
+    none). measure.path is the format's own (conf/format's `*_eager`): an eager int8 still compares with none."""
+    def cell(q: str, tps: float, **measure) -> dict:
+        c = _cell(f"{q}/{measure}", q, tps)
+        c["config"] = {"measure": {"threads": 1, "max_new_tokens": 8, "cache": "dynamic", "path": "best", **measure}}
+        return c
+
+    rows = report.rows_for([cell("none", 1228.0), cell("none", 1081.0, cache="static"),
+                            cell("bf16", 1055.0, cache="static"), cell("bf16", 1100.0),
+                            cell("int8", 614.0, path="eager"), cell("int8", 500.0, compile=True)], "none")
+    ratio = {r["cell"]: r["ratio"] for r in rows}
+    assert ratio["none/{'cache': 'static'}"] == 1.0  # its own baseline, not 1081 / 1228
+    assert ratio["bf16/{'cache': 'static'}"] == pytest.approx(1055 / 1081)
+    assert ratio["bf16/{}"] == pytest.approx(1100 / 1228)
+    assert ratio["int8/{'path': 'eager'}"] == pytest.approx(614 / 1228)
+    assert ratio["int8/{'compile': True}"] is None  # no compiled none cell: no ratio, not one against eager
+
+
 def test_a_figure_names_the_cpu_its_speeds_ran_on():
     cpu = {"cpu_model": "AMD EPYC", "cpu.family": "25", "cpu.model": "17", "cpu.isa": "avx512_bf16", "cpu.bf16": "native"}
     cells = [_cell("a", "none", 20.0), _cell("b", "int8", 30.0)]

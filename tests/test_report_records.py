@@ -260,3 +260,73 @@ def test_a_tag_over_the_limit_is_logged_cut_with_a_marker_and_an_interrupted_log
     c = MlflowClient(tcfg.uri)
     names = [r.info.run_name for r in c.search_runs([c.get_experiment_by_name("tags").experiment_id])]
     assert names == ["long-error"], names  # the interrupted one was deleted, not left RUNNING
+
+
+def test_result_files_are_readable_by_others_as_the_umask_allows(tmp_path):
+    """mkstemp made every cell JSON and sweep.json 0600 (the rename keeps the mode): another user's report or a CI
+    job read nothing back, silently. They now get the mode an open() would, 0644 under umask 022."""
+    import os
+    import stat
+
+    from harness.records.results import write_json_atomic
+
+    old = os.umask(0o022)
+    try:
+        path = write_json_atomic(tmp_path / "cells" / "x.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_a_reopened_parent_run_loses_its_stale_error_tag(tmp_path):
+    """A parent run marked KILLED with tag `error` by the next start (sweep/parent.py mark_stale) and then finished OK
+    by a resumed sweep kept `error` beside status OK."""
+    from mlflow.tracking import MlflowClient
+
+    from harness.records.sweep_runs import open_parent
+
+    tcfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="stale")
+    rid = open_parent(tcfg, {"quantbench.sweep": "stale"}, [])
+    c = MlflowClient(tcfg.resolved_uri())
+    c.set_tag(rid, "error", "sweep process x ended without closing this run; marked KILLED on the next start")
+    c.set_terminated(rid, status="KILLED")
+    assert open_parent(tcfg, {"quantbench.sweep": "stale"}, [rid]) == rid
+    run = c.get_run(rid)
+    assert run.info.status == "RUNNING" and "error" not in run.data.tags
+
+
+def test_a_store_error_quoting_a_query_password_is_masked():
+    """sweeps._reading masked urlsplit's password only: a libpq `?password=` (or one holding `/`) came through."""
+    from harness.errors import QuantbenchError
+    from harness.records.sweeps import _reading
+    from harness.secret_uri import secrets
+
+    uri = "postgresql://qb@db.example/mlflow?password=s3cr%2Ft"
+    assert secrets(uri) == ["s3cr/t"]
+    with pytest.raises(QuantbenchError) as err, _reading(uri):
+        raise RuntimeError("connection to db.example failed for password s3cr/t (s3cr%2Ft)")
+    assert "s3cr" not in str(err.value) and "***" in str(err.value)
+
+
+def test_a_resumed_sweep_reports_against_its_own_baseline_and_counts_jobs_not_hashes(tmp_path):
+    """(1) `sweep` is not in the config hash, so reused cells keep the sweep.baseline of the invocation that measured
+    them: the report (and the drift probe) compared with that one, not the one this invocation names. (2) Two jobs
+    of one config hash share one result; the sweep said "1 never reported" and exited 1."""
+    from harness.records.results import reported_jobs, sweep_baseline
+
+    cells = [(f"quantizer={q}", {"quantizer": {"name": q}, "measure": {"threads": 1}, "sweep": {"baseline": "none"}},
+              {"quantizer.name": q, **CPU}, tps) for q, tps in (("none", 100.0), ("bf16", 150.0))]
+    write_sweep(tmp_path, "rb", cells)
+    folder = tmp_path / "rb"
+    state = json.loads((folder / "sweep.json").read_text())
+    state["sweep"] = {"baseline": "bf16"}  # this invocation's setting; the cells keep "none"
+    (folder / "sweep.json").write_text(json.dumps(state))
+    assert sweep_baseline([json.loads(p.read_text()) for p in (folder / "cells").glob("*.json")], state["sweep"]) == "bf16"
+    assert report.main([str(folder), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "× bf16" in md and "× none" not in md
+    assert ratios(tmp_path / "out" / "report.md")["quantizer=none"] == "0.67"
+    # a second job of the first cell's hash (e.g. sweep.timeout_s=300,301): reported, not missing
+    with (folder / "manifest.jsonl").open("a") as fh:
+        fh.write(json.dumps({"invocation": "inv1", "hash": "h0", "label": "quantizer=none,sweep.timeout_s=301"}) + "\n")
+    assert reported_jobs(folder) == 3 and reported_jobs(folder, "other") == 0

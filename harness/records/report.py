@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     except QuantbenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    baseline = args.baseline or sweep_baseline(sweep.cells)
+    baseline = args.baseline or sweep.baseline or sweep_baseline(sweep.cells)
     paths = write_report(out, sweep.cells, baseline=baseline, title=f"sweep {sweep.name}", probes=sweep.probes)
     print("wrote " + ", ".join(map(str, paths)))
     return 0

@@ -31,6 +31,17 @@ RESCUE_ENV = "QUANTBENCH_RESCUE_DIR"  # where such a result is kept instead (def
 DEFAULT_BASELINE = "none"  # quantizer a sweep report's speed ratio compares with, unless the sweep names one
 
 
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask sets it, for every thread, for a moment)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def write_json_atomic(path: Path, data: Any) -> Path:
     """Write `path` whole or not at all: a temporary file in the same folder, fsynced, then renamed over it.
 
@@ -39,6 +50,9 @@ def write_json_atomic(path: Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp creates 0600 and the rename keeps it: results another user (a report, a CI job) cannot read
+        # back; the mode an open() would give under the umask, as the manifest and the lock have
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=2, sort_keys=True, default=str)
             fh.flush()
@@ -131,23 +145,36 @@ def cell_path(folder: Path, chash: str) -> Path:
     return Path(folder) / "cells" / f"{chash}.json"
 
 
-def invocation_cells(folder: Path, invocation: str | None = None) -> list[dict]:
-    """The cell results of one invocation (default: the latest), in launch order, one per config hash."""
-    folder = Path(folder)
+def _entries(folder: Path, invocation: str | None) -> list[dict]:
+    """The manifest lines of one invocation (default: the latest), in launch order: one per job."""
     if invocation is None:
         invocation = (read_json(folder / "sweep.json") or {}).get("invocation")
-    seen: dict[str, dict] = {}
     try:
         lines = (folder / "manifest.jsonl").read_text().splitlines()
     except OSError:
         lines = []
+    out = []
     for line in lines:
         try:
             entry = json.loads(line)
         except ValueError:
             continue
-        if invocation and entry.get("invocation") != invocation:
-            continue
+        if not invocation or entry.get("invocation") == invocation:
+            out.append(entry)
+    return out
+
+
+def reported_jobs(folder: Path, invocation: str | None = None) -> int:
+    """The jobs of one invocation whose cell has a result: two jobs of one config hash (cells that differ only in
+    sweep.* or tracking.* keys, which the hash leaves out) share one result, and both reported."""
+    return sum(cell_path(Path(folder), e["hash"]).is_file() for e in _entries(Path(folder), invocation))
+
+
+def invocation_cells(folder: Path, invocation: str | None = None) -> list[dict]:
+    """The cell results of one invocation (default: the latest), in launch order, one per config hash."""
+    folder = Path(folder)
+    seen: dict[str, dict] = {}
+    for entry in _entries(folder, invocation):
         data = read_json(cell_path(folder, entry["hash"]))
         if data is not None:
             data.setdefault("tags", {}).setdefault("sweep.cell", entry.get("label", ""))
@@ -155,8 +182,12 @@ def invocation_cells(folder: Path, invocation: str | None = None) -> list[dict]:
     return list(seen.values())
 
 
-def sweep_baseline(cells: list[dict]) -> str:
-    """The quantizer the cells' sweep compares speeds with (its `sweep.baseline`), else DEFAULT_BASELINE."""
+def sweep_baseline(cells: list[dict], settings: dict | None = None) -> str:
+    """The quantizer the sweep compares speeds with: its own `sweep.baseline` (`settings`, sweep.json's), else the
+    cells' (a reused cell keeps the setting of the invocation that measured it: `sweep` is not in the config
+    hash), else DEFAULT_BASELINE."""
+    if settings and settings.get("baseline"):
+        return str(settings["baseline"])
     for c in cells:
         node = (c.get("config") or {}).get("sweep") or {}
         if node.get("baseline"):

@@ -1,7 +1,8 @@
 """The report's view of a sweep's cells: one row per result dict, with its speed ratio to the baseline cell.
 
 A ratio only compares like with like: the baseline cell of the same machine, model, strategy, batch size and
-context depth (`group`), run with the same speed settings (`SPEED_KEYS`: threads, tokens, prompts, dtype, device)
+context depth (`group`), run with the same speed settings (`SPEED_KEYS`: threads, tokens, prompts, dtype, device,
+cache, compile settings, seed, ...)
 and, where the rows hold several invocations of a sweep, from the same invocation when it has one. A cell with no
 such baseline gets no ratio rather than one against another shape's, another machine's or another thread count's
 speed (a gpu_scaling sweep runs three model shapes; a merged report can hold two CPUs; a sweep may vary threads).
@@ -55,7 +56,14 @@ def group(r: dict) -> str:
 
 
 SPEED_KEYS = ("measure.threads", "measure.max_new_tokens", "measure.prompts", "measure.prompt_tokens",
-              "measure.chat_template", "measure.device", "model.dtype")
+              "measure.chat_template", "measure.device", "model.dtype",
+              # every other measure.* key that changes what a step does: a sweep of measure.cache=dynamic,static
+              # took the first `none` cell as the baseline of every row (bf16 on a static cache / none on a
+              # dynamic one). Not measure.path: conf/format's `*_eager` set it, it is part of the compared format
+              "measure.stop_at_eos", "measure.seed", "measure.warmup", "measure.gemv", "measure.hugepages",
+              "measure.cache", "measure.compile", "measure.compile_mode", "measure.compile_freezing",
+              "measure.compile_backend", "measure.compile_cpp_wrapper", "measure.compile_skip_guards",
+              "measure.inject_slowdown", "measure.inject_work")
 
 
 def setting(config: dict, tags: dict) -> str:

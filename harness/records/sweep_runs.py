@@ -44,6 +44,8 @@ def open_parent(tcfg: TrackingConfig, tags: dict[str, str], previous: list[str])
         if run.info.experiment_id == exp_id and run.info.lifecycle_stage == "active":
             for k, v in tags.items():
                 c.set_tag(run_id, k, v)
+            if "error" in run.data.tags:  # a stale-run mark (sweep/parent.py mark_stale), not this sweep's error
+                c.delete_tag(run_id, "error")
             c.update_run(run_id, status="RUNNING")
             return run_id
     name = tags.get("quantbench.sweep", "sweep")

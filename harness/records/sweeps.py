@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import secret_uri
 from harness.analysis import frontier, frontier_plot
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
@@ -41,6 +42,7 @@ class Sweep:
     cells: list[dict]
     probes: list[dict] = field(default_factory=list)
     source: str = ""  # the folder, or the MLflow parent run id
+    baseline: str = ""  # the invocation's own sweep.baseline (sweep.json), over the stored cells'
 
 
 def from_folder(folder: Path, all_cells: bool = False) -> Sweep:
@@ -51,8 +53,10 @@ def from_folder(folder: Path, all_cells: bool = False) -> Sweep:
     if all_cells:
         cells = [json.loads(p.read_text()) for p in sorted((folder / "cells").glob("*.json"))]
         return Sweep(folder.name, cells, stored_probes(folder), str(folder))
-    invocation = (read_json(folder / "sweep.json") or {}).get("invocation")
-    return Sweep(folder.name, invocation_cells(folder), stored_probes(folder, invocation), str(folder))
+    state = read_json(folder / "sweep.json") or {}
+    invocation = state.get("invocation")
+    return Sweep(folder.name, invocation_cells(folder), stored_probes(folder, invocation), str(folder),
+                 baseline=str((state.get("sweep") or {}).get("baseline") or ""))
 
 
 @contextlib.contextmanager
@@ -65,9 +69,8 @@ def _reading(tracking_uri: str) -> Iterator[None]:
         raise
     except Exception as exc:  # noqa: BLE001 - requests, SQLAlchemy, MlflowException: whatever the store raised
         text = (str(exc).strip().splitlines() or [""])[0][:300]
-        password = urllib.parse.urlsplit(tracking_uri).password
-        if password:
-            text = text.replace(password, "***")
+        for secret in secret_uri.secrets(tracking_uri):  # the driver's errors can quote any of them
+            text = text.replace(secret, "***").replace(urllib.parse.quote(secret, safe=""), "***")
         raise QuantbenchError(f"cannot read MLflow at {redact(tracking_uri)}: {type(exc).__name__}: {text}; check "
                               "--tracking-uri and that the store (or server) is up") from None
 
@@ -200,7 +203,7 @@ def frontier_points(sweeps: list[Sweep], baseline: str = "") -> list[frontier.Po
     carry the sweep when there are several."""
     out: list[frontier.Point] = []
     for s in sweeps:
-        base = baseline or sweep_baseline(s.cells)
+        base = baseline or s.baseline or sweep_baseline(s.cells)
         rows = rows_for(s.cells, base)
         pts = frontier.points(rows, base, s.probes)
         if len(sweeps) > 1:

@@ -20,7 +20,7 @@ from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
 from harness.records import report, sweep_runs
 from harness.records.mlflow_runs import client, experiment_id, retry
-from harness.records.results import invocation_cells, read_json, sweep_baseline
+from harness.records.results import invocation_cells, read_json, reported_jobs, sweep_baseline
 from harness.records.tracking import UPLOAD
 from harness.run.result import SUCCESS
 from harness.sweep import drift, progress, resume
@@ -145,10 +145,11 @@ def finish_sweep(state: SweepState, interrupted: bool = False, probe: bool = Tru
     cells = invocation_cells(folder, state.invocation)
     probes: list[dict] = []
     if not interrupted and probe:  # an interruption during the probes comes back here through abort() (_OPEN set)
-        probes = drift.run_probes(cells, sweep_baseline(cells), settings_from({"sweep": state.sweep}), folder,
-                                  state.invocation)
+        probes = drift.run_probes(cells, sweep_baseline(cells, state.sweep), settings_from({"sweep": state.sweep}),
+                                  folder, state.invocation)
     _OPEN.pop("state", None)
-    missing = max(0, state.planned - len(cells)) if not interrupted else 0
+    # jobs, not distinct cells: two jobs of one config hash (a sweep of sweep.* keys) share one result
+    missing = max(0, state.planned - reported_jobs(folder, state.invocation)) if not interrupted else 0
     counts: dict[str, int] = {}
     for c in cells:
         counts[c.get("status", "?")] = counts.get(c.get("status", "?"), 0) + 1
@@ -157,8 +158,8 @@ def finish_sweep(state: SweepState, interrupted: bool = False, probe: bool = Tru
     status = "KILLED" if interrupted else ("OK" if bad == 0 and not nothing else "FAILED")
     paths: list[Path] = []
     try:
-        paths = report.write_report(folder, cells, baseline=sweep_baseline(cells), title=f"sweep {state.name}",
-                                    probes=probes)
+        paths = report.write_report(folder, cells, baseline=sweep_baseline(cells, state.sweep),
+                                    title=f"sweep {state.name}", probes=probes)
     except Exception as exc:  # noqa: BLE001 - a report problem must not hide the sweep's outcome
         log.error("could not write the sweep report: %s", exc)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no cells"
