@@ -82,7 +82,8 @@ def markdown(rows: list[dict], baseline: str, title: str = "sweep") -> str:
             head.append(f"× {baseline}" + DIRECTION_MARK.get(c.better, ""))
     head.append("status")
     speed = (f"Speed ratio against the `{baseline}` cell of the same machine, model, strategy, batch size and "
-             "context depth, run with the same threads, tokens, prompts and dtype (none where that cell is missing)"
+             "context depth, run with the same threads, tokens, prompts, dtype and cache/compile settings (none where "
+             "that cell is missing)"
              if ratios else f"No speed ratio column: no cell has a `{baseline}` cell other than itself to compare with")
     lines = [f"# {title}", "",
              f"{len(rows)} cell(s): " + ", ".join(f"{n} {s}" for s, n in sorted(_counts(rows).items())) + ". "
