@@ -330,3 +330,16 @@ def test_a_resumed_sweep_reports_against_its_own_baseline_and_counts_jobs_not_ha
     with (folder / "manifest.jsonl").open("a") as fh:
         fh.write(json.dumps({"invocation": "inv1", "hash": "h0", "label": "quantizer=none,sweep.timeout_s=301"}) + "\n")
     assert reported_jobs(folder) == 3 and reported_jobs(folder, "other") == 0
+
+
+def test_a_reused_cell_is_reported_under_this_invocations_name(tmp_path):
+    """A cell measured by `... quantizer=none` (label quantizer=none) and reused by a later invocation whose cells
+    vary nothing (label default) was reported under the earlier label, and the other way round."""
+    from harness.records.results import invocation_cells
+
+    write_sweep(tmp_path, "rn", [("default", {"quantizer": {"name": "none"}}, {"quantizer.name": "none", **CPU}, 1.0)])
+    folder = tmp_path / "rn"
+    with (folder / "manifest.jsonl").open("a") as fh:
+        fh.write(json.dumps({"invocation": "inv2", "hash": "h0", "label": "quantizer=none"}) + "\n")
+    assert [c["tags"]["sweep.cell"] for c in invocation_cells(folder, "inv2")] == ["quantizer=none"]
+    assert [c["tags"]["sweep.cell"] for c in invocation_cells(folder, "inv1")] == ["default"]

@@ -177,7 +177,9 @@ def invocation_cells(folder: Path, invocation: str | None = None) -> list[dict]:
     for entry in _entries(folder, invocation):
         data = read_json(cell_path(folder, entry["hash"]))
         if data is not None:
-            data.setdefault("tags", {}).setdefault("sweep.cell", entry.get("label", ""))
+            tags = data.setdefault("tags", {})
+            # this invocation's name of the cell: a reused one was measured (and named) by an earlier invocation
+            tags["sweep.cell"] = entry.get("label") or tags.get("sweep.cell", "")
             seen[entry["hash"]] = data
     return list(seen.values())
 

@@ -213,6 +213,7 @@ def _reuse(previous: dict, path: Path, state: SweepState, label: str, chash: str
     """Keep a done cell: say why on the terminal and in tag `resume.reused` (JSON; MLflow best effort)."""
     why = resume.describe(key)
     previous.setdefault("tags", {})[resume.REUSED_TAG] = f"{state.invocation}: {why}"
+    previous["tags"]["sweep.cell"] = label  # this invocation's name (quantizer=none, not an earlier run's default)
     if not _relink(previous, path, state):
         try:
             write_json_atomic(path, previous)
@@ -220,8 +221,9 @@ def _reuse(previous: dict, path: Path, state: SweepState, label: str, chash: str
             log.warning("could not note the reuse in %s: %s", path, exc)
         if state.tcfg.enabled and previous.get("mlflow_run_id"):
             try:
-                client(state.tcfg).set_tag(previous["mlflow_run_id"], resume.REUSED_TAG,
-                                           previous["tags"][resume.REUSED_TAG])
+                c = client(state.tcfg)
+                for tag in (resume.REUSED_TAG, "sweep.cell"):
+                    c.set_tag(previous["mlflow_run_id"], tag, previous["tags"][tag])
             except Exception:  # noqa: BLE001 - a note only; the JSON has it
                 pass
     progress.say(f"[skip] {label}: reusing the OK result for config {chash} ({why}): {path}")
