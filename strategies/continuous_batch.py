@@ -141,9 +141,14 @@ class ContinuousBatch(Strategy):
                                    pad_token_id=opts.pad_token_id)
         sync(opts.device)
         free_omp_pool()  # generate_batch decodes on its own thread: without this its every op ran ~2x slower (omp.py)
+        starts: list[float] = []  # each forward's start (the scheduler calls model(**batch): hooks fire)
+        hook = model.register_forward_pre_hook(lambda *_: starts.append(now()))
         t0 = now()
-        out = model.generate_batch(inputs=batch, generation_config=gen_cfg, continuous_batching_config=cb,
-                                   record_timestamps=True, progress_bar=False, warmup=False)
+        try:
+            out = model.generate_batch(inputs=batch, generation_config=gen_cfg, continuous_batching_config=cb,
+                                       record_timestamps=True, progress_bar=False, warmup=False)
+        finally:
+            hook.remove()
         sync(opts.device)
         wall = now() - t0
         results = sorted(out.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
@@ -166,7 +171,10 @@ class ContinuousBatch(Strategy):
                           decode_wall_s=(stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0,
                           prefill_s=prefill_window(results, t0),
                           stats={"wall_s": wall, "request_latency_s": latency, "request_ttft_s": first,
-                                 "request_itl_s": itl, "stream_s": (stamps[-1] - created) if stamps else wall})
+                                 "request_itl_s": itl, "stream_s": (stamps[-1] - created) if stamps else wall,
+                                 # forwards in the decode window: its steps (rows per forward vary, so the
+                                 # roofline's and the floor's step is measured, not the batch)
+                                 "decode_forwards": sum(1 for t in starts if stamps and stamps[0] <= t < stamps[-1])})
 
     def metrics(self, generations: list[Generation]) -> dict[str, float]:
         wall = sum(g.stats["wall_s"] for g in generations)
@@ -190,4 +198,7 @@ class ContinuousBatch(Strategy):
             # served first) would make one stream of many requests look as responsive as one greedy request
             "ttft_ms": percentile(ttft, 50) * ms,
             "ttft_ms_p90": percentile(ttft, 90) * ms,
+            # tokens a forward emitted on average in the decode window: the step of the roofline and the floor
+            **({"decode_tokens_per_step": sum(g.decode_tokens for g in generations) / forwards}
+               if (forwards := sum(g.stats.get("decode_forwards", 0) for g in generations)) else {}),
         }

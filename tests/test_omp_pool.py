@@ -54,7 +54,9 @@ def test_continuous_batching_frees_the_pool_on_the_calling_thread_before_generat
 
     strategy = cb.ContinuousBatch(requests=1)
     for _ in range(2):
-        strategy.generate(SimpleNamespace(generate_batch=generate_batch), [[3, 4]], DecodeOptions(max_new_tokens=2))
+        model = SimpleNamespace(generate_batch=generate_batch,
+                                register_forward_pre_hook=lambda fn: SimpleNamespace(remove=lambda: None))
+        strategy.generate(model, [[3, 4]], DecodeOptions(max_new_tokens=2))
     me = threading.get_ident()
     assert events == [("free", me), ("generate", me)] * 2
 

@@ -402,7 +402,8 @@ def test_continuous_batch_itl_is_per_request(monkeypatch):
     outputs = {r.request_id: r for r in (req(0, 100.5, [101.0, 102.0, 104.0]),
                                           req(1, 101.5, [103.0, 103.5, 105.0, 106.0]),
                                           req(2, 100.6, [101.2]))}
-    model = SimpleNamespace(generate_batch=lambda **kwargs: outputs)
+    model = SimpleNamespace(generate_batch=lambda **kwargs: outputs,
+                            register_forward_pre_hook=lambda fn: SimpleNamespace(remove=lambda: None))
     clock = iter([100.0, 107.0])
     monkeypatch.setattr(cb, "now", lambda: next(clock))
     gen = cb.ContinuousBatch(requests=3).generate(model, [[1, 2], [3, 4, 5], [6]], DecodeOptions(max_new_tokens=4))
@@ -433,3 +434,27 @@ def test_a_stream_shorter_than_the_prompt_set_is_refused_before_any_weights_load
     assert result.status == "FAILED"
     assert result.error.startswith("strategy.requests=2 is fewer than the workload's 4 prompts: 2 would never run")
     assert "\n" not in result.error
+
+
+def test_continuous_batching_counts_its_forwards_as_the_roofline_step():
+    """Rows per forward vary (requests join, finish, prefill beside decode): the roofline and the floor took a step as
+    batch_size tokens (a 2.38 ms step against a 1.55 ms inter-token p50). The forwards of the decode window are
+    counted (a forward pre-hook), and a step is decode tokens / forwards."""
+    import strategies.continuous_batch as cb
+    from harness.analysis import roofline
+
+    model = load_pretrained(TinyRandom(), "float32", "cpu")
+    strategy = cb.ContinuousBatch(requests=6, max_requests_per_batch=4)  # 2 requests wait for a free row
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11], [12, 13], [14]]
+    strategy.setup(model=model, tokenizer=None, opts=DecodeOptions(max_new_tokens=6), experiment=None)
+    try:
+        gen = strategy.generate(model, prompts, DecodeOptions(max_new_tokens=6, stop_at_eos=False))
+    finally:
+        strategy.teardown()
+    assert not model._forward_pre_hooks  # the counting hook is gone
+    forwards = gen.stats["decode_forwards"]
+    assert gen.decode_tokens == 6 * 5 and 10 <= forwards <= gen.decode_tokens  # two waves of 5 decode steps at least
+    m = strategy.metrics([gen])
+    assert m["decode_tokens_per_step"] == pytest.approx(30 / forwards) and m["decode_tokens_per_step"] < 3.5
+    work = roofline.eos_step({**m, "batch_size": 4.0}, 10.0, roofline.STEP_ACCOUNTING_CB)
+    assert work.accounting == roofline.STEP_ACCOUNTING_CB and work.tokens_per_step == m["decode_tokens_per_step"]

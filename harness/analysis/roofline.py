@@ -158,7 +158,7 @@ def bytes_per_step(shape: ModelShape, batch: int, context: float) -> float:
 
 
 STEP_ACCOUNTING = "decode_step"  # tag roofline_accounting of a step that is one target forward per batch row
-STEP_ACCOUNTING_EOS = "decode_step, rows past EOS"  # ... whose rows finished at EOS early (`eos_step`)
+STEP_ACCOUNTING_EOS, STEP_ACCOUNTING_CB = "decode_step, rows past EOS", "forward, rows per forward measured"
 
 
 @dataclass
@@ -179,13 +179,13 @@ def tokens_per_step(gens: list) -> dict[str, float]:
     return {"decode_tokens_per_step": sum(g.decode_tokens for g in gens) / steps} if steps else {}
 
 
-def eos_step(metrics: dict, context: float) -> StepWork | None:
+def eos_step(metrics: dict, context: float, accounting: str | None = None) -> StepWork | None:
     """The step of a run whose rows did not all emit a token every step (`tokens_per_step` below the batch): achieved
     GB/s stays bytes per step x measured steps per s. None: the roofline's own accounting (a step is the batch)."""
     per_step = metrics.get("decode_tokens_per_step")
     if per_step is None or not per_step < float(metrics.get("batch_size", 1) or 1) - 1e-9:
         return None
-    return StepWork(context=context, extra_bytes=0.0, tokens_per_step=per_step, accounting=STEP_ACCOUNTING_EOS)
+    return StepWork(context, extra_bytes=0.0, tokens_per_step=per_step, accounting=accounting or STEP_ACCOUNTING_EOS)
 
 
 def roofline_metrics(shape: ModelShape, bw: Bandwidth, batch: int, context: float,

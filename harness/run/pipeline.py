@@ -213,7 +213,8 @@ class Pipeline:
         else:
             context = roofline.mean_context(widths)
         # a step of more than one target forward (speculative), or one whose rows finished at EOS early
-        work = self.exp.strategy.roofline_step(gens) or roofline.eos_step(self.metrics, context)
+        work = self.exp.strategy.roofline_step(gens) or roofline.eos_step(
+            self.metrics, context, roofline.STEP_ACCOUNTING_CB if self.exp.strategy.schedules_rows else None)
         roofline.annotate(self.metrics, self.tags, self.session.shape(), self.device, self.threads, context,
                           roofline.run_group(self.exp, self.exp.engine.name), self.session.label, work)
 
