@@ -18,5 +18,13 @@ def spread(ts: list[float], fmt: str = "{:.2f}") -> str:
 
 
 def ratio(times: dict[str, list[float]], num: str, den: str) -> str:
-    """'NUM / DEN = R.RRx', the ratio of the two modes' median times."""
-    return f"{num} / {den} = {statistics.median(times[num]) / statistics.median(times[den]):.2f}x"
+    """'NUM / DEN = R.RRx (pairs A-B, n=N)': the median of the per-pair ratios, pair i being the i-th run of each
+    mode (`alternating`: adjacent in time, under the same load), and their range. When the pairs fall on both sides
+    of 1 the ratio is reported as undecided because noisy, never as a finding."""
+    pairs = [a / b for a, b in zip(times[num], times[den], strict=False)]
+    if not pairs:
+        return f"{num} / {den}: no pairs measured"
+    text = f"{num} / {den} = {statistics.median(pairs):.2f}x (pairs {min(pairs):.2f}-{max(pairs):.2f}, n={len(pairs)})"
+    if min(pairs) <= 1.0 <= max(pairs):
+        text += ": undecided because noisy (the pairs fall on both sides of 1.00x)"
+    return text

@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             print(f"| {f} | {label} | | FAILED: {r['error']} | | | | | |")
             continue
-        peer = peers.get(f) if f != "default" else peers.get("bf16")
+        # the default row's peer is the format it resolved to (as its summary line below), not always BF16
+        peer = peers.get(f) if f != "default" else peers.get({"fp32": "fp32"}.get(r.get("quantizer.resolved", ""), "bf16"))
         is_peer = label.startswith("llama.cpp")
         resolved = r.get("quantizer.resolved", "") or ("" if is_peer else r.get("quantizer.backend", ""))
         kernel = "ggml" if is_peer else f"{r.get('kernel.linear', '?')} ({r.get('kernel.linear_share', '?')})"
@@ -281,8 +282,12 @@ def main(argv: list[str] | None = None) -> int:
             line += f"; vs best 16-bit {fmt(tps(r) / best16, '.2f')}x"
         if peer and "error" not in peer:
             ratio = tps(r) / tps(peer)
+            # the ratio's range from both runs' p10-p90: a range across 0.75 decides nothing
+            lo = (r.get("decode_tokens_per_s_p10") or tps(r)) / (peer.get("decode_tokens_per_s_p90") or tps(peer))
+            hi = (r.get("decode_tokens_per_s_p90") or tps(r)) / (peer.get("decode_tokens_per_s_p10") or tps(peer))
+            verdict = ("undecided because noisy" if lo < 0.75 <= hi else "meets" if ratio >= 0.75 else "below")
             line += (f"; vs llama.cpp {PATHS[f][0]} {fmt(tps(peer))} tok/s ({1e3 / tps(peer):.1f} ms/step): "
-                     f"{ratio:.2f}x ({'meets' if ratio >= 0.75 else 'below'} 0.75)")
+                     f"{ratio:.2f}x [{lo:.2f}-{hi:.2f}] ({verdict} 0.75)")
             if ratio < 0.75:
                 line += (f"; profile: the {r.get('kernel.linear')} calls alone take {fmt(kernel_ms)} ms, "
                          f"{kernel_ms / (1e3 / tps(peer)):.1f}x llama.cpp's whole step; the other "

@@ -140,6 +140,9 @@ def main() -> None:
 
     full_line = "| quantizer | full-vocab KL (here) | quantbench exact | ratio | quantbench top-256 (before) | ratio | " \
                 "tail bound (top-256) | top-1 agree | perplexity |"
+    from harness.env import cpu_info
+
+    print(f"\nCPU: {cpu_info().describe()} (the times below are single passes, each record timed once)")
     print(f"\nKL(fp32 || quantized), {model_name}, {n} scored tokens of WikiText-2 test, {context}-token windows\n")
     print(full_line)
     print("|---|---|---|---|---|---|---|---|---|")

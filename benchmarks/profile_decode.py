@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     bsz = args.batch
     width = ids.shape[1]
     max_len = width + 3 + 2 * (args.steps + 3) + 8
+    from harness.env import cpu_info
+
+    print(f"# CPU: {cpu_info().describe()}")
     print(f"# {args.dtype}, batch {bsz}, {threads} threads, torch {torch.__version__}, prompt {width} tokens, cache {max_len}")
 
     fast = None if args.no_compile else fast_path.FastPath(model, device="cpu", max_cache_len=max_len,

@@ -62,6 +62,10 @@ def main() -> None:
             print(f"[bench] {name} FAILED: {r.error}", file=sys.stderr, flush=True)
 
     base = next((r.metrics.get("decode_tokens_per_s") for n, r in rows if n == "fp32" and r.status == "OK"), None)
+    from harness.env import cpu_info
+
+    print(f"\nCPU: {cpu_info().describe()}. Each row is its own run, one after another (not alternated): the "
+          "vs fp32 column divides speeds measured minutes apart, so read a ratio near 1 as undecided")
     print("\n| quantizer | backend | weight MB | bits/weight | decode tok/s (p10-p90) | vs fp32 | perplexity | "
           "KL | top-1 agree | quantize s |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -59,3 +59,20 @@ def test_the_gate_worker_serves_inside_its_own_heap(monkeypatch):
     monkeypatch.setattr(worker.sys, "stdout", worker.sys.stdout)
     worker.main()
     assert seen and seen[0] > 10_000 and gc.get_freeze_count() == 0
+
+
+def test_a_side_by_side_ratio_whose_pairs_straddle_one_is_reported_undecided():
+    """benchmarks/ab.py (own_heap.py, omp_pool.py): the ratio of two medians was printed as a finding whatever the
+    spread ('kept / freed = 1.05x' from pairs 0.34x to 2.86x). It is the median of per-pair ratios, with their range,
+    and 'undecided because noisy' when the pairs fall on both sides of 1."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("ab", ROOT / "benchmarks" / "ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    noisy = ab.ratio({"kept": [1.0, 2.0, 3.0], "freed": [2.9, 1.9, 1.05]}, "kept", "freed")
+    assert noisy.startswith("kept / freed = 1.05x (pairs 0.34-2.86, n=3): undecided because noisy")
+    clear = ab.ratio({"kept": [2.0, 2.2, 2.1], "freed": [1.0, 1.05, 1.1]}, "kept", "freed")
+    assert clear == "kept / freed = 2.00x (pairs 1.91-2.10, n=3)"

@@ -370,3 +370,39 @@ def test_a_run_forced_onto_a_slower_path_carries_the_tag(results_overrides, monk
     assert result.status == "OK", result.error
     assert result.tags["warning.forced_slow"].startswith("quantizer.prefill_matmul=native: bfloat16 is emulated")
     assert result.tags["quantizer.prefill_matmul"] == "native"  # honoured: the run took the slow path it asked for
+
+
+def test_cpu_kernels_compares_the_default_row_with_its_resolved_peer_and_calls_a_straddling_ratio_undecided(
+        monkeypatch, capsys):
+    """benchmarks/cpu_kernels.py: the default row's 'vs llama.cpp' divided by BF16 even when it resolved to fp32, and
+    'meets/below 0.75' was decided from single medians (76 tok/s, p10-p90 50-95, over 100 with 60-110: 'meets')."""
+    import importlib.util
+    import sys
+
+    from conftest import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("cpu_kernels", ROOT / "benchmarks" / "cpu_kernels.py")
+    ck = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "argv", ["cpu_kernels.py"])
+    spec.loader.exec_module(ck)
+    monkeypatch.setattr(llama_cpp, "available", lambda: True)
+
+    def fake(overrides, common):
+        if "engine=llama_cpp" in overrides:
+            fmt = overrides[-1].split("=")[1]
+            return {"decode_tokens_per_s": {"F32": 40.0, "BF16": 100.0}[fmt], "decode_tokens_per_s_p10": 60.0,
+                    "decode_tokens_per_s_p90": 110.0, "ttft_ms": {"F32": 100.0, "BF16": 300.0}[fmt]}
+        if not overrides:  # the default run, resolved to fp32
+            return {"decode_tokens_per_s": 30.0, "ttft_ms": 190.0, "quantizer.resolved": "fp32",
+                    "kernel.linear": "aten::mm"}
+        return {"decode_tokens_per_s": 76.0, "decode_tokens_per_s_p10": 50.0, "decode_tokens_per_s_p90": 95.0,
+                "kernel.linear": "aten::mm", "kernel_linear_share": 0.8, "ttft_ms": 200.0}
+
+    monkeypatch.setattr(ck, "run_cell", fake)
+    ck.main(["--formats", "fp32,bf16", "--paths", "eager"])
+    out = capsys.readouterr().out
+    default = next(line for line in out.splitlines() if line.startswith("| default |"))
+    assert "| 0.75 |" in default  # 30 / 40 (llama.cpp F32), not 30 / 100 (BF16)
+    bf16 = next(line for line in out.splitlines() if line.startswith("- bf16:"))
+    assert "0.76x [0.45-1.58] (undecided because noisy 0.75)" in bf16
