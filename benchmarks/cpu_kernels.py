@@ -303,7 +303,15 @@ def main(argv: list[str] | None = None) -> int:
             line += (f"; llama.cpp {PATHS['fp32' if resolved == 'fp32' else 'bf16'][0]} TTFT on the same prompts "
                      f"{fmt(peer.get('ttft_ms'), '.0f')} ms: {ratio:.2f}x ({'within' if ratio <= 2 else 'above'} 2x)")
         print(line)
-    warnings = [f"{f} {label}: {r['warning.slow_kernel']}" for f, label, r in rows if r.get("warning.slow_kernel")]
+    # over this table's rows only: a run's own tag compares it with whatever the host's speed cache holds (other
+    # processes' runs of the last hours), which is not in this table
+    from harness.analysis import roofline
+
+    ok = [(f, label, r) for f, label, r in rows if "error" not in r and "roofline_fraction" in r]
+    flags = roofline.slow_kernel_flags([{"group": "llama.cpp" if label.startswith("llama.cpp") else "quantbench",
+                                         "label": f"{f} {label}", "kernel": r.get("kernel.linear", ""), **r}
+                                        for f, label, r in ok])
+    warnings = [f"{f} {label}: {flags[i]}" for i, (f, label, _) in enumerate(ok) if i in flags]
     for w in warnings:
         print(f"- warning: {w}")
     if args.smoke:

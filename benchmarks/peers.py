@@ -104,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"llama.cpp rows missing: {llama_cpp.INSTALL_HINT}")
 
     ok = [(e, c, r) for e, c, r in rows if r["status"] == "OK"]
-    # the per-run tag only sees runs recorded before it; over the whole table the check is order-free
+    # over this table's rows only (order-free): a run's own tag compares it with the host's speed cache, which
+    # holds other processes' runs of the last hours, not in this table
     table_flags = roofline.slow_kernel_flags([{"group": e, "label": f"{e} {c}", **r} for e, c, r in ok])
     for i, (_, _, r) in enumerate(ok):
-        r["warning"] = r["warning"] or table_flags.get(i, "")
+        r["warning"] = table_flags.get(i, "")
     peers = [(c, r) for e, c, r in ok if e == "llama.cpp"]
     from harness.env import cpu_info
 
