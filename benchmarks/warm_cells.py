@@ -2,7 +2,7 @@
 
     flock -x /tmp/qb-heavy.lock python benchmarks/warm_cells.py            # ~1-2 min on 2 cores
     flock -x /tmp/qb-heavy.lock python benchmarks/warm_cells.py --cells 5
-    python benchmarks/warm_cells.py --smoke     # one forkserver cell, no spawn cells: checks it runs
+    python benchmarks/warm_cells.py --smoke     # two forkserver cells, no spawn cells: checks it runs
 
 Runs the same tiny-model cell (model=tiny_random, 4 new tokens, 1 repetition, no accuracy, no
 tracking) through `harness.sweep.isolated.run_isolated`, `--cells` times with each start method, alternating
@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", type=int, default=3, help="cells per start method (default 3)")
     ap.add_argument("--smoke", action="store_true",
-                    help="one forkserver cell and no spawn cell (a spawned interpreter alone takes 10-20 s): tests")
+                    help="two forkserver cells and no spawn cell (a spawned interpreter alone takes 10-20 s): tests")
     args = ap.parse_args(argv)
     methods = ("forkserver",) if args.smoke else ("spawn", "forkserver")
     if args.smoke:
-        args.cells = 0  # the first forkserver cell below is the smoke run
+        args.cells = 1  # one warm forkserver cell after the first: the table's row and its metrics run too
 
     from harness import quiet_third_party
     from harness.config import compose, to_plain
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"forkserver: first cell {first.status}: {first.error}")
         return 1
     rows: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
-    for _ in range(args.cells):
-        for method in methods:
+    for i in range(args.cells):
+        for method in (methods if i % 2 == 0 else methods[::-1]):  # each method as often first as second
             r = run_isolated(config, SweepSettings(start_method=method, timeout_s=300))
             if r.status != "OK":
                 print(f"{method}: cell {r.status}: {r.error}")
