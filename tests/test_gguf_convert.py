@@ -76,3 +76,21 @@ def test_a_first_load_of_a_gguf_is_a_phase_of_the_memory_estimate(compose, tmp_p
     assert est.total - est.parts["runtime"] < huge.phases["GGUF conversion"]
     gguf_convert.cached_dir(gguf).mkdir(parents=True)
     assert memory.transformers_estimate(exp, "cpu").phases["GGUF conversion"] == 0.0
+
+
+def test_rope_settings_are_read_from_either_config_layout_and_an_unwritable_rope_is_refused():
+    """A config saved by transformers 5 keeps rope_theta and its scaling in `rope_parameters`: the export read only
+    `rope_theta` / `rope_scaling`, so such a GGUF got a base of 10000 and no llama3 factors (llama.cpp then decoded
+    another model than transformers, silently)."""
+    from harness.errors import QuantbenchError
+    from harness.models.gguf_export import llama3_rope_factors, rope
+
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    old = {"rope_theta": 500000.0, "rope_scaling": llama3, "hidden_size": 64, "num_attention_heads": 4}
+    new = {"rope_parameters": {"rope_theta": 500000.0, **llama3}, "hidden_size": 64, "num_attention_heads": 4}
+    assert rope(old)[0] == rope(new)[0] == 500000.0
+    assert llama3_rope_factors(new) == llama3_rope_factors(old) is not None
+    assert rope({"rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}) == (100000.0, {})
+    with pytest.raises(QuantbenchError, match="RoPE type 'yarn' has no GGUF export"):
+        rope({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}})

@@ -381,3 +381,22 @@ def test_the_scaling_experiment_narrowed_to_the_tiny_presets(tmp_path):
     assert "## Scaling" in text and f"| tiny | {cores} | quantbench | int4 | eager |" in text
     assert f"| tiny-qwen2 | {cores} | quantbench | int4 | eager |" in text
     assert (tmp_path / "scaling" / "scaling.png").is_file()
+
+
+def test_a_tied_head_is_never_filled_as_a_second_matrix(monkeypatch):
+    """With tie_word_embeddings the head is the embedding: it was filled on its own (a second vocab x hidden matrix
+    until tie_weights, +0.27 GB at Llama-3.2-1B, beyond the quantized path's memory estimate)."""
+    filled: list[str] = []
+    real = RandomModel._materialize
+
+    def spy(self, module, prefix, *args, **kwargs):
+        filled.append(prefix)
+        return real(self, module, prefix, *args, **kwargs)
+
+    monkeypatch.setattr(RandomModel, "_materialize", spy)
+    model = RandomModel(arch="tiny-qwen2").build("float32")
+    assert "lm_head." not in filled and "model.embed_tokens." in filled
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    filled.clear()
+    untied = RandomModel(arch="tiny").build("float32")  # an untied head is its own matrix, filled
+    assert "lm_head." in filled and untied.lm_head.weight is not untied.get_input_embeddings().weight

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.errors import QuantbenchError
 from harness.models.random_weights import first_id, values
 
 # torch and gguf are imported where used: only engine=llama_cpp with model=random writes a GGUF (tests/test_layout.py,
@@ -65,12 +66,26 @@ def permute(w: Any, n_head: int) -> Any:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def rope(cfg: dict) -> tuple[float, dict]:
+    """(rope_theta, scaling) from a config of either layout: `rope_theta` + `rope_scaling` (the presets), or
+    transformers 5's `rope_parameters`, which holds both (a saved config.json, `model.config_path`). Reading only the
+    first gave such a GGUF a base of 10000 and no llama3 factors, silently. A RoPE this export cannot write (yarn,
+    linear, dynamic) is refused: llama.cpp would decode another model than transformers does."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = dict(cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else {}))
+    kind = str(scaling.get("rope_type", scaling.get("type", "default"))).lower()
+    if kind not in ("default", "llama3"):
+        raise QuantbenchError(f"RoPE type {kind!r} has no GGUF export here (default and llama3 only), so llama.cpp "
+                              "would not decode the model transformers does; use engine=transformers for this config")
+    return theta, scaling
+
+
 def llama3_rope_factors(cfg: dict) -> list[float] | None:
     """convert_hf_to_gguf's rope_freqs for rope_type llama3 (None for any other RoPE)."""
-    scaling = cfg.get("rope_scaling") or {}
+    base, scaling = rope(cfg)
     if str(scaling.get("rope_type", scaling.get("type", ""))).lower() != "llama3":
         return None
-    base = float(cfg.get("rope_theta", 10000.0))
     dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     factor = float(scaling.get("factor", 8.0))
     low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
@@ -104,7 +119,7 @@ def _metadata(w: Any, arch: str, cfg: dict, name: str) -> None:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    w.add_rope_freq_base(rope(cfg)[0])
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
 
 
