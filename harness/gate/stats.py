@@ -99,7 +99,7 @@ def _resampled_groups(n: int, resamples: int, seed: int, chunk: int = 500):
     """Moving-block resamples of `n` groups: (first, index array of shape (m, n)) per chunk of `m` resamples.
 
     Runs of `block_length(n)` consecutive groups, each starting anywhere, joined to the original length.
-    Seeded: the trimmed mean and the totals (`bootstrap`) are recomputed on the same resamples.
+    Seeded: the trimmed mean and the totals (`totals_bootstrap`) are recomputed on the same resamples.
     """
     length = block_length(n)
     runs = -(-n // length)
