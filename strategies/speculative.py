@@ -92,10 +92,10 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
     budget_steps = 0  # steps the token budget left no room to draft in (one token left): not a drafter's miss
     while not done and len(gen) < opts.max_new_tokens:
         kk = min(k, opts.max_new_tokens - len(gen) - 1)  # never draft past the token budget
+        budget_steps += kk == 0  # before the step's clock: the timed region holds the step only
         sync(device)
         t = now()
         draft = drafter.propose(seq, kk) if kk > 0 else []
-        budget_steps += kk == 0
         sync(device)
         t_mid = now()
         have = len(seq) - 1  # target cache holds all but the newest token

@@ -456,5 +456,5 @@ def test_continuous_batching_counts_its_forwards_as_the_roofline_step():
     assert gen.decode_tokens == 6 * 5 and 10 <= forwards <= gen.decode_tokens  # two waves of 5 decode steps at least
     m = strategy.metrics([gen])
     assert m["decode_tokens_per_step"] == pytest.approx(30 / forwards) and m["decode_tokens_per_step"] < 3.5
-    work = roofline.eos_step({**m, "batch_size": 4.0}, 10.0, roofline.STEP_ACCOUNTING_CB)
+    work = roofline.measured_step({**m, "batch_size": 4.0}, 10.0, roofline.STEP_ACCOUNTING_CB)
     assert work.accounting == roofline.STEP_ACCOUNTING_CB and work.tokens_per_step == m["decode_tokens_per_step"]

@@ -441,10 +441,10 @@ def test_a_static_batch_whose_rows_stop_at_eos_is_counted_by_its_measured_steps(
     assert m["decode_tokens_per_step"] == pytest.approx(tokens / steps) and m["decode_tokens_per_step"] < 3.5
     m["decode_tokens_per_s"] = tokens / wall
     assert floor.decode_step_ms(m) == pytest.approx(1e3 * wall / steps)
-    work = roofline.eos_step(m, 40.0)
+    work = roofline.measured_step(m, 40.0)
     assert work.accounting == roofline.STEP_ACCOUNTING_EOS
     r = roofline.roofline_metrics(roofline.shape_from_torch(target), Bandwidth(50e9, "test"), 4, 40.0,
                                   m["decode_tokens_per_s"], work)
     assert r["achieved_gb_per_s"] == pytest.approx(r["bytes_per_step"] * steps / wall / 1e9)
     # every row emitting every step: the batch's own accounting, unchanged
-    assert roofline.eos_step({"batch_size": 4.0, "decode_tokens_per_step": 4.0}, 40.0) is None
+    assert roofline.measured_step({"batch_size": 4.0, "decode_tokens_per_step": 4.0}, 40.0) is None

@@ -179,7 +179,7 @@ def tokens_per_step(gens: list) -> dict[str, float]:
     return {"decode_tokens_per_step": sum(g.decode_tokens for g in gens) / steps} if steps else {}
 
 
-def eos_step(metrics: dict, context: float, accounting: str | None = None) -> StepWork | None:
+def measured_step(metrics: dict, context: float, accounting: str | None = None) -> StepWork | None:
     """The step of a run whose rows did not all emit a token every step (`tokens_per_step` below the batch): achieved
     GB/s stays bytes per step x measured steps per s. None: the roofline's own accounting (a step is the batch)."""
     per_step = metrics.get("decode_tokens_per_step")

@@ -212,8 +212,9 @@ class Pipeline:
             context = roofline.fixed_context(lengths)
         else:
             context = roofline.mean_context(widths)
-        # a step of more than one target forward (speculative), or one whose rows finished at EOS early
-        work = self.exp.strategy.roofline_step(gens) or roofline.eos_step(
+        # a step of more than one target forward (speculative), or one that emitted fewer tokens than the batch
+        # (rows finished at EOS early; continuous batching's varying rows per forward): measured
+        work = self.exp.strategy.roofline_step(gens) or roofline.measured_step(
             self.metrics, context, roofline.STEP_ACCOUNTING_CB if self.exp.strategy.schedules_rows else None)
         roofline.annotate(self.metrics, self.tags, self.session.shape(), self.device, self.threads, context,
                           roofline.run_group(self.exp, self.exp.engine.name), self.session.label, work)
