@@ -171,17 +171,24 @@ def test_llama_cpp_same_format_is_no_conversion_and_the_build_is_tagged(compose,
 
 
 @needs_llama
-@pytest.mark.parametrize("arch", ["tiny", "tiny-qwen2"])
+@pytest.mark.parametrize("arch", ["tiny", "tiny-qwen2", "tiny+bias"])
 def test_llama_cpp_logits_match_transformers(arch, tmp_path, monkeypatch):
     """The GGUF writer is right (names, q/k permutation, norms, rope_freqs, biases, tied head): llama.cpp's F32
     logits of a short id sequence equal transformers' fp32 ones up to its f16 KV cache. Leaving out the llama
-    permutation alone moves them ~0.02 (70x the tolerance), so this check has teeth."""
+    permutation alone moves them ~0.02 (70x the tolerance), so this check has teeth. "tiny+bias" is the llama
+    shape with `attention_bias` and `mlp_bias` (q/k biases take the rows' permutation: without it, 1.1x the
+    tolerance; an unmapped bias raised KeyError before)."""
     import llama_cpp
 
     from harness.run.llama_cpp import convert
 
     monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
-    src = RandomModel(arch=arch, dtype="float32")
+    if arch == "tiny+bias":
+        cfg = json.loads((ROOT / "harness" / "data" / "arch" / "tiny.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "attention_bias": True, "mlp_bias": True}))
+        src = RandomModel(config_path=str(tmp_path / "config.json"), dtype="float32")
+    else:
+        src = RandomModel(arch=arch, dtype="float32")
     # 300 seeded ids: at 8 positions a GGUF without rope_freqs still matches (the factors act on long wavelengths);
     # at 300 it is off by ~1e-2 of the logits' range (5x the tolerance), a right export by <= 1.8e-4
     ids = np.random.default_rng(1).integers(3, 500, 300).tolist()

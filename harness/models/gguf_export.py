@@ -7,8 +7,9 @@ sits in memory whole); llama.cpp's own quantizer then makes Q8_0 / Q4_0 / F32 fr
 
 - tensor names: token_embd, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, ffn_gate,
   ffn_up, ffn_down}, output_norm, output (absent when the head is tied to the embedding);
-  qwen2 adds the q/k/v biases (blk.N.attn_{q,k,v}.bias);
-- llama only: the rows of q_proj and k_proj are permuted from HF's rotate-half RoPE layout to GGML's
+  qwen2 adds the q/k/v biases (blk.N.attn_{q,k,v}.bias), a llama with `attention_bias` / `mlp_bias` the biases of
+  every projection (blk.N.{attn_q, ..., ffn_down}.bias);
+- llama only: the rows of q_proj and k_proj (and their biases) are permuted from HF's rotate-half RoPE layout to GGML's
   interleaved one (`permute`, with k over the key/value heads); qwen2 is stored as is (llama.cpp applies
   NEOX-style RoPE to it);
 - llama3 RoPE scaling (`rope_scaling.rope_type = llama3`) becomes the `rope_freqs` tensor of per-frequency
@@ -42,10 +43,12 @@ LAYER_NAMES = {  # HF name inside a decoder layer -> GGUF name inside blk.N
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Llama's `attention_bias` / `mlp_bias`: llama.cpp loads these as optional tensors of the llama architecture
+    "mlp.gate_proj.bias": "ffn_gate.bias", "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
 }
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
@@ -184,8 +187,9 @@ def write_gguf(source: Any, path: Path) -> Path:
                 w.write_tensor_data(np.asarray(factors, dtype=np.float32))
                 continue
             t = values(hf, shape, source.seed, source.std)
-            if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-                t = permute(t, heads if name.endswith("attn_q.weight") else kv_heads).contiguous()
+            if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
+                # a q/k bias is added to the rows before RoPE, so it takes the rows' permutation
+                t = permute(t, heads if ".attn_q." in name else kv_heads).contiguous()
             if len(shape) == 1:
                 w.write_tensor_data(t.float().numpy())
             else:
