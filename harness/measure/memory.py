@@ -53,6 +53,7 @@ from harness.measure.workloads import parse
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GGUF_BITS = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0}
 GB = 1e9
+Q6_K_BITS = 6.5625  # 210 bytes per 256 weights
 TEXT_PROMPT_BOUND = 512  # tokens: a bound for the named prompt sets and files (synthetic ones have exact lengths)
 
 
@@ -291,6 +292,18 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
     return est
 
 
+def gguf_bytes(counts: Counts, fmt: str) -> float:
+    """Bytes of the weights llama.cpp's quantizer writes for `fmt`. Its llama_tensor_get_type keeps the output
+    matrix (token_embd when the head is tied) out of Q4_0 / Q4_1: Q6_K, or Q8_0 where a row is not a multiple of
+    256 (a 512-wide 32k-vocab model: 25.3 MB counted this way, 26.1 MB on disk with the vocabulary, 21.1 MB at 4.5
+    bits everywhere)."""
+    bits = GGUF_BITS.get(fmt, 16.0)
+    if fmt not in ("Q4_0", "Q4_1"):
+        return counts.params * bits / 8
+    head = float(counts.vocab * counts.hidden)
+    return (counts.params - head) * bits / 8 + head * (Q6_K_BITS if counts.hidden % 256 == 0 else 8.5) / 8
+
+
 def llama_cpp_estimate(exp: Any, fmt: str, converted: Path | None, n_ctx: int, n_batch: int) -> Estimate | None:
     """llama.cpp: the format's GGUF mmapped whole, its f16 KV cache of n_ctx, one batch's compute buffers."""
     counts = model_counts(exp.model)
@@ -301,7 +314,7 @@ def llama_cpp_estimate(exp: Any, fmt: str, converted: Path | None, n_ctx: int, n
     else:
         src = exp.model.gguf_path
         weights = (float(Path(src).stat().st_size) if fmt == "gguf" and src and Path(src).is_file()
-                   else counts.params * GGUF_BITS.get(fmt, 16.0) / 8)
+                   else gguf_bytes(counts, fmt))
         # llama_model_quantize: an fp32 copy of a tensor, its output and work buffers (the 8B Q4_0 conversion
         # peaked 0.9 GB above fp32 + output: 8 bytes per element covers it)
         transient = counts.largest_tensor * 8.0
@@ -310,7 +323,7 @@ def llama_cpp_estimate(exp: Any, fmt: str, converted: Path | None, n_ctx: int, n
              "activations": n_batch * (counts.vocab + 4 * counts.intermediate) * 4.0}
     est = Estimate(parts=parts)
     fixed = parts["runtime"] + parts["KV cache"] + parts["activations"] + counts.largest_tensor * 8.0
-    est.alternatives = [(f"engine.format={f}", fixed + counts.params * GGUF_BITS[f] / 8) for f in ("Q4_0", "Q8_0")]
+    est.alternatives = [(f"engine.format={f}", fixed + gguf_bytes(counts, f)) for f in ("Q4_0", "Q8_0")]
     return est
 
 
