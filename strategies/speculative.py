@@ -109,6 +109,7 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
             n += 1
         new = [*draft[:n], preds[n]]
         crop_to(cache, have + 1 + len(draft), len(seq) + n)  # drop the KV of rejected draft tokens
+        drafter.rollback(len(seq) + n)  # the draft cache too, inside the step's clock (counted in verify_s)
         sync(device)
         t_end = now()
         kv_read += have + 1 + len(draft)  # the verify attends over the cache and its own k+1 tokens
@@ -119,7 +120,6 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
             done = True
         seq.extend(new)
         gen.extend(new)
-        drafter.rollback(len(seq) - 1)
         # drafted: every proposed token, rejected ones included (kk kept the draft within the token budget); past
         # an EOS nothing was emitted, so such a step counts the draft tokens up to it, and accepts those it kept
         steps.append((min(len(draft), len(new)) if done else len(draft), min(n, len(new))))
@@ -127,7 +127,7 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
         verify_s += t_end - t_mid
         # the step's time shared by the tokens it produced: the step sum stays exact, ITL stays comparable
         step_s.extend([(t_end - t) / len(new)] * len(new))
-    # wall clock of the decode phase: steps plus the host work between them (EOS cut, draft rollback)
+    # wall clock of the decode phase: steps plus the host work between them (EOS cut, bookkeeping)
     decode_wall = now() - t_first if steps else 0.0
     return Generation(sequences=[gen], prompt_tokens=len(prompt), ttft_s=ttft, step_s=step_s,
                       decode_tokens=len(gen) - 1, decode_wall_s=decode_wall,

@@ -157,6 +157,32 @@ def test_a_perfect_draft_is_never_empty_and_nothing_drafted_is_nan_not_zero(targ
         assert math.isnan(m[name]), name
 
 
+class SlowRollback(Perfect):
+    """A perfect drafter whose cache rollback takes 30 ms: the step's clock must hold it."""
+
+    def __init__(self, ref: list[int]):
+        super().__init__(ref)
+        self.keeps: list[int] = []
+
+    def rollback(self, keep):
+        self.keeps.append(keep)
+        time.sleep(0.03)
+
+
+def test_the_draft_rollback_is_inside_the_step_time(target):
+    """The draft cache's crop ran after the step's clock stopped: ITL and verify_s missed it (was ~0 here)."""
+    prompt, opts = [9, 10, 11, 12, 13, 14, 15, 9, 10, 11], DecodeOptions(max_new_tokens=9)
+    ref = [*prompt, *greedy_generate(target, [prompt], opts).sequences[0]]
+    drafter = SlowRollback(ref)
+    gen = speculative_generate(target, prompt, opts, drafter, 4)
+    assert gen.sequences[0] == ref[len(prompt):]
+    n = len(gen.stats["steps"])
+    assert sum(gen.step_s) >= 0.03 * n and gen.stats["verify_s"] >= 0.03 * n
+    # the draft cache keeps every emitted token but the newest, as before the step's clock moved
+    assert drafter.keeps == [len(prompt) + 1 + sum(len_ + 1 for len_, _ in gen.stats["steps"][: i + 1]) - 1
+                             for i in range(n)]
+
+
 def test_the_greedy_reference_rate_is_a_median_over_the_references_that_decoded():
     """A reference whose first token is EOS (or a one-token limit) decodes nothing: its rate is NaN and is left out,
     as summarize() leaves such calls out of the headline; it made the whole median NaN."""
