@@ -231,9 +231,10 @@ if len(METRICS) != len(_TABLE):  # a name defined twice would silently keep the 
     raise ValueError("harness/metrics.py defines a metric name twice")
 
 _PLACEHOLDER = re.compile(r"<(\w+)>")
-# a family's pattern: <n> is a number, any other placeholder a name (task names hold _ and -)
+# a family's pattern: <n> is a number, any other placeholder a name (task names hold _ and -, a BIG-bench
+# subtask also / : conceptual_combinations/contradictions)
 _FAMILIES: list[tuple[re.Pattern[str], Metric]] = sorted(
-    ((re.compile("".join((r"\d+" if p == "n" else r"[\w.-]+?") if i % 2 else re.escape(p)
+    ((re.compile("".join((r"\d+" if p == "n" else r"[\w./-]+?") if i % 2 else re.escape(p)
                          for i, p in enumerate(_PLACEHOLDER.split(m.name)))), m)
      for m in _TABLE if _PLACEHOLDER.search(m.name)),
     key=lambda fm: -len(_PLACEHOLDER.sub("", fm[1].name)))  # the most specific (longest literal part) first

@@ -28,6 +28,9 @@ def test_families_match_their_members_and_nothing_else():
     assert metrics.lookup("task_social_iqa_acc_norm_diff_stderr").name == "task_<task>_acc_norm_diff_stderr"
     assert metrics.lookup("task_social_iqa_acc").name == "task_<task>_acc"  # not the acc_norm family
     assert metrics.lookup("task_emoji_movie_acc_norm").name == "task_<task>_acc_norm"
+    # a BIG-bench subtask is named task/subtask (harness/analysis/tasks.py accepts it)
+    assert metrics.lookup("task_conceptual_combinations/contradictions_acc").name == "task_<task>_acc"
+    assert not metrics.undefined(["task_conceptual_combinations/contradictions_acc_diff"])
     assert metrics.lookup("accepted_len_3").name == "accepted_len_<n>"
     assert metrics.lookup("decode_tokens_per_s").unit == "tokens/s"
     for name in ("accepted_len_x", "task__acc", "decode_tokens_per_sec", "task_social_iqa_accuracy"):
