@@ -343,3 +343,28 @@ def test_a_reused_cell_is_reported_under_this_invocations_name(tmp_path):
         fh.write(json.dumps({"invocation": "inv2", "hash": "h0", "label": "quantizer=none"}) + "\n")
     assert [c["tags"]["sweep.cell"] for c in invocation_cells(folder, "inv2")] == ["quantizer=none"]
     assert [c["tags"]["sweep.cell"] for c in invocation_cells(folder, "inv1")] == ["default"]
+
+
+def test_sections_that_compare_cells_do_so_within_one_machine(tmp_path):
+    """A report over two CPUs (the CPU changes between sessions): Zen 4 ran only bf16, Zen 3 only int4. The scaling
+    section paired one CPU's int4 with the other's bf16 (0.50x, a made-up speedup) and fitted both as one line."""
+    zen4 = {"cpu.vendor": "AuthenticAMD", "cpu.family": "25", "cpu.model": "17", "cpu.isa": "avx512",
+            "cpu_model": "EPYC 9004"}
+    zen3 = {**zen4, "cpu.model": "1", "cpu.isa": "avx2", "cpu_model": "EPYC 7003"}
+
+    def cell(size, params, q, tps, gb, cpu):
+        return {"status": "OK", "metrics": {"decode_tokens_per_s": tps, "bytes_per_step": gb * 1e9, "params": params,
+                                            "bandwidth_gb_per_s": 20.0},
+                "tags": {"sweep.cell": f"{size}-{q}-{cpu['cpu.model']}", "model.name": size, "model.arch": size,
+                         "quantizer.name": q, "quantizer.resolved": "bf16" if q == "auto16" else q,
+                         "engine": "transformers", "threads": "2", "decode_path": "best", **cpu}}
+
+    cells = [cell("1b", 1e9, "auto16", 20.0, 2.5, zen4), cell("3b", 3e9, "auto16", 8.0, 6.5, zen4),
+             cell("1b", 1e9, "int4", 10.0, 0.8, zen3), cell("3b", 3e9, "int4", 4.0, 2.0, zen3)]
+    paths = report.write_report(tmp_path, cells, baseline="auto16")
+    text = (tmp_path / "report.md").read_text()
+    heads = [ln for ln in text.splitlines() if ln.startswith("## Scaling")]
+    assert len(heads) == 2 and "family 25 model 17" in heads[0] and "family 25 model 1)" in heads[1], heads
+    assert "0.50" not in text  # no int4 row divided by the other CPU's bf16 row
+    figs = sorted(str(p.relative_to(tmp_path)) for p in paths if p.name == "scaling.png")
+    assert len(figs) == 2 and all("/" in f for f in figs) and f"{figs[0]}" in text.replace("Figure: ", "")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -199,6 +200,31 @@ def plot(rows: list[dict], path: Path, title: str = "sweep") -> Path:
     return figures.save(fig, path)
 
 
+def machine_sections(folder: Path, rows: list[dict], baseline: str, title: str) -> tuple[str, list[Path]]:
+    """The sections that fit, pair or overlay cells with one another, one machine at a time: crossover (batch
+    size / context depth), scaling (model sizes), gpu_scaling (GPU shapes) and serving (load runs). A fit or a
+    ratio across two CPUs or GPUs would be made up, so with several machines each one's sections are titled
+    with it and its figures go in a subfolder named after it."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["machine"], []).append(r)
+    text, paths = "", []
+    for machine, part in groups.items():
+        sub = folder if len(groups) == 1 else folder / (re.sub(r"[^A-Za-z0-9]+", "-", machine).strip("-").lower()
+                                                        or "machine")
+        got = (crossover.section(part, baseline) + scaling.section(part) + gpu_scaling.section(part)
+               + serving.section(part))
+        if sub != folder:
+            got = re.sub(r"^## (.+)$", lambda m, on=machine: f"## {m.group(1)} (on {on})", got, flags=re.M)
+            got = re.sub(r"\b(\w+\.png)\b", lambda m, d=sub.name: f"{d}/{m.group(1)}", got)
+        text += got
+        paths += crossover.write(sub, part, baseline, title)  # cells varying batch size / context depth
+        paths += scaling.write(sub, part, title)  # cells spanning model sizes (harness/analysis/scaling.py)
+        paths += gpu_scaling.write(sub, part, title)  # CUDA cells of model shapes (harness/analysis/gpu_scaling.py)
+        paths += serving.write(sub, part, title)  # load runs: latency against throughput (harness/load/report.py)
+    return text, paths
+
+
 def write_report(folder: Path, cells: list[dict], baseline: str = "none", title: str = "sweep",
                  probes: list[dict] | None = None) -> list[Path]:
     """Write report.md and report.png (and the figures that apply) into folder; returns their paths.
@@ -208,15 +234,12 @@ def write_report(folder: Path, cells: list[dict], baseline: str = "none", title:
     folder.mkdir(parents=True, exist_ok=True)
     rows = rows_for(cells, baseline)
     md = folder / "report.md"
+    text, figs = machine_sections(folder, rows, baseline, title)
     md.write_text(markdown(rows, baseline, title) + frontier.section(rows, baseline, probes)
-                  + task_accuracy.section(rows) + bench_table(rows) + crossover.section(rows, baseline)
-                  + scaling.section(rows) + gpu_scaling.section(rows) + serving.section(rows))
+                  + task_accuracy.section(rows) + bench_table(rows) + text)
     paths = [md, plot(rows, folder / "report.png", title)]
     paths += frontier_plot.write(folder, rows, baseline, title, probes)  # two or more formats: the frontier figure
-    paths += crossover.write(folder, rows, baseline, title)  # cells varying batch size / context depth
-    paths += scaling.write(folder, rows, title)  # cells spanning model sizes (harness/analysis/scaling.py)
-    paths += gpu_scaling.write(folder, rows, title)  # CUDA cells of model shapes (harness/analysis/gpu_scaling.py)
-    paths += serving.write(folder, rows, title)  # load runs: latency against throughput (harness/load/report.py)
+    paths += figs
     bound = [{"label": r["cell"], "decode_tokens_per_s": _num(r["metrics"], HEADLINE),
               "roofline_tokens_per_s": _num(r["metrics"], "roofline_tokens_per_s")}
              for r in rows if r["status"] == "OK" and _num(r["metrics"], "roofline_tokens_per_s")]
