@@ -59,6 +59,26 @@ def test_over_budget_under_pipefail_warns_and_keeps_the_exit_code_of_the_run(tmp
     assert [t.rsplit(" ", 1)[1] for t in lines[1].split("slowest tests: ")[1].split("; ")] == ["29.99s", "29.98s",
                                                                                               "29.97s"]
 
+@pytest.mark.parametrize("log_text", [None, "ERROR collecting tests/test_x.py\n"])
+@pytest.mark.parametrize("code", [1, 2])
+def test_over_budget_with_no_duration_lines_still_warns_and_keeps_the_runs_code(tmp_path, log_text, code):
+    """A collection error prints no durations, a failed setup leaves no log: grep exited 1 inside the EXIT trap
+    under `set -euo pipefail`, which ended the trap before the warning and made grep's code CI's (2 read 1)."""
+    log = tmp_path / "tests.log"
+    if log_text is not None:
+        log.write_text(log_text)
+    script = (f'set -euo pipefail; source "{ROOT}/scripts/ci_budget.sh"; PHASES=("950 setup" "10 tests"); '
+              f'summary() {{ local c=$?; ci_summary 990 900 "{log}" "${{PHASES[@]}}"; return "$c"; }}; '
+              f'trap summary EXIT; exit {code}')
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == code and len(lines) == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert lines[1].endswith("slowest tests: n/a")
+    # and .ci/run's trap does not let the summary's own code replace the run's
+    assert "ci_summary" in (line := next(ln for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+                                          if ln.strip().startswith("ci_summary"))) and "|| true" in line
+
+
 @pytest.mark.parametrize("gate_code", [0, 1, 2])
 def test_make_gate_exits_2_on_any_failure_but_keeps_the_gates_own_code(tmp_path, gate_code):
     shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
