@@ -61,3 +61,8 @@ def redact(uri: str) -> str:
         return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)))
     query = {k: ("***" if k.lower() in SECRET_KEYS else v) for k, v in url.query.items()}
     return url.set(query=query).render_as_string(hide_password=True).replace("=%2A%2A%2A", "=***")
+
+
+def redact_overrides(overrides: list[str]) -> list[str]:
+    """Hydra overrides (`key=value`) with a password in any value masked: a command's record of its options."""
+    return [f"{o.split('=', 1)[0]}={redact(o.split('=', 1)[1])}" if "=" in o else o for o in overrides]

@@ -343,6 +343,8 @@ def test_options_are_validated_before_any_work():
         GateOptions(baseline=[], candidate=[], budget_s=0)
     with pytest.raises(GateError, match="--block-steps"):
         GateOptions(baseline=[], candidate=[], block_steps=0)
+    with pytest.raises(GateError, match="--seed -1: give an integer >= 0"):  # was: numpy's error at the first look
+        GateOptions(baseline=[], candidate=[], seed=-1)
 
 
 def test_block_speed_is_decode_tokens_over_decode_wall_clock():
@@ -687,6 +689,30 @@ def test_missing_metric_or_baseline_exits_2(tmp_path, mlflow_dir):
     code, md = run_main(["--baseline", ov, "--skip-speed", "--no-mlflow", "--accuracy-baseline",
                          str(tmp_path / "broken.json")], tmp_path)
     assert code == 2 and "greedy_tokens" in md
+
+
+def test_an_accuracy_baseline_without_what_it_compares_is_refused_when_read(tmp_path):
+    """load_baseline runs before both sides load; a file with no metrics or no greedy tokens was refused only by
+    compare_accuracy, after the whole speed measurement."""
+    from harness.gate.accuracy import load_baseline
+
+    good = json.loads(BASELINE_FILE.read_text())
+    assert load_baseline(BASELINE_FILE) == good
+    for drop in ("metrics", "greedy_tokens"):
+        (tmp_path / "b.json").write_text(json.dumps({k: v for k, v in good.items() if k != drop}))
+        with pytest.raises(GateError, match="has no 'metrics' or no 'greedy_tokens'"):
+            load_baseline(tmp_path / "b.json")
+
+
+def test_a_password_in_the_overrides_is_masked_in_the_summary_and_the_record(tmp_path):
+    """The config check refuses a tracking URI with a password, but the summary ($GITHUB_STEP_SUMMARY) and the
+    JSON record repeated the raw overrides."""
+    uri = "postgresql://qb:hunter2@db.example/mlflow"
+    code, md = run_main(["--baseline", f"model=tiny_random tracking.uri={uri}", "--candidate",
+                         f"model=tiny_random strategy=static_batch tracking.uri={uri}", "--no-mlflow"], tmp_path)
+    record = (tmp_path / "gate.json").read_text()
+    assert code == 2 and "qb:***@db.example" in md and "holds a password" in md
+    assert "hunter2" not in md and "hunter2" not in record and "qb:***@db.example" in record
 
 
 def test_bad_options_exit_2(tmp_path, capsys):

@@ -135,6 +135,10 @@ def load_baseline(path: Path) -> dict:
             from exc
     if not isinstance(data, dict):
         raise GateError(f"accuracy baseline {path} is not a JSON object; rewrite it with --write-baseline")
+    if not isinstance(data.get("metrics"), dict) or not isinstance(data.get("greedy_tokens"), list) \
+            or not data["greedy_tokens"]:  # what compare_accuracy reads: refused now, not after the speed run
+        raise GateError(f"accuracy baseline {path} has no 'metrics' or no 'greedy_tokens'; rewrite it with "
+                        "--write-baseline")
     return data
 
 

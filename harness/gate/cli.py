@@ -31,6 +31,7 @@ from harness.gate.sides import make_side, self_comparison
 from harness.gate.stats import REGRESSION as SPEED_REGRESSION
 from harness.gate.stats import SpeedStats
 from harness.interrupts import sigterm_interrupts
+from harness.secret_uri import redact_overrides
 
 log = logging.getLogger("quantbench")
 DEFAULT = interleave.Plan()  # the speed defaults live in one place
@@ -138,7 +139,9 @@ def run_gate(opts: GateOptions) -> GateResult:
     the candidate is needed (--write-baseline, --skip-speed).
     """
     t0 = time.perf_counter()
-    res = GateResult(code=ERROR, verdict="error", options=asdict(opts))
+    # the record repeats the options (summary, JSON, MLflow): a password in an override is masked there too
+    res = GateResult(code=ERROR, verdict="error", options={**asdict(opts), "baseline": redact_overrides(opts.baseline),
+                                                           "candidate": redact_overrides(opts.candidate)})
     base = make_side("baseline", opts.baseline, opts.baseline_rev, opts.timeout_s)
     cand = make_side("candidate", opts.candidate, opts.candidate_rev, opts.timeout_s)
     sides = [cand] if (opts.write_baseline or opts.skip_speed) else [base, cand]

@@ -65,6 +65,8 @@ class Plan:
             p.append(f"--confidence {self.confidence}: give e.g. 0.95")
         if self.resamples < 1000:
             p.append(f"--resamples {self.resamples}: use >= 1000 for stable bounds")
+        if self.seed < 0:  # numpy's generator refuses it, at the first look: after both models loaded and ran
+            p.append(f"--seed {self.seed}: give an integer >= 0")
         if not 0 <= self.trim < 0.5:
             p.append(f"trim {self.trim}: a fraction below 0.5")
         return p

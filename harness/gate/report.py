@@ -117,7 +117,7 @@ def record(res: Any, opts: Any, markdown: str) -> str:
                     if isinstance(v, (int, float)) and k in ACCURACY_METRICS})
     tags = {"gate.verdict": res.verdict, "gate.speed_verdict": res.speed.verdict if res.speed else "not measured",
             "gate.speed_stop": res.speed.stop if res.speed else "",
-            "gate.baseline": " ".join(opts.baseline), "gate.candidate": " ".join(opts.candidate),
+            "gate.baseline": " ".join(res.options["baseline"]), "gate.candidate": " ".join(res.options["candidate"]),
             "gate.baseline_rev": opts.baseline_rev, "gate.candidate_rev": opts.candidate_rev,
             "git_commit": env.git_commit(), "cpu_model": env.cpu_model(),
             **env.cpu_info(with_torch=False).tags()}
