@@ -109,6 +109,28 @@ def test_gguf_context_is_read_from_the_header_only(compose):
 
 
 # ------------------------------------------------------------------------------------ synthetic ids
+def test_the_memory_estimate_holds_a_long_file_prompt_and_a_rows_own_length(compose, tmp_path):
+    """The KV cache and activations were sized for 512 prompt tokens and measure.max_new_tokens whatever the file
+    held: a ~5,000-token prompt got 9x too small a KV cache, a JSONL row's 4,000 new tokens none of theirs."""
+    from harness.measure import memory
+
+    def kv(prompts):
+        exp = build(compose(["accuracy.enabled=false", "measure.device=cpu", f"measure.prompts={prompts}"]))
+        est = memory.transformers_estimate(exp, "cpu")
+        return est.parts["KV cache"], est.parts["activations"]
+
+    per_position = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M: layers, K+V, kv heads, head dim, bf16
+    short, long_ = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
+    short.write_text(json.dumps({"prompt": "Hi there.", "max_new_tokens": 64}) + "\n")
+    long_.write_text(json.dumps({"prompt": "Hi there.", "max_new_tokens": 4000}) + "\n")
+    assert kv(short)[0] < 600 * per_position and kv(long_)[0] >= 4000 * per_position
+    text = tmp_path / "long.txt"
+    text.write_text(" ".join(["word"] * 4000) + "\n")  # 4,000 tokens at least, 20,000 bytes at most
+    got, act = kv(text)
+    assert 4000 * per_position <= got <= 8192 * per_position  # the byte bound, capped at the model's context
+    assert act > 2 * kv(short)[1]
+
+
 def test_synthetic_ids_are_seeded_ordinary_and_the_same_for_every_quantizer(compose):
     tok = byte_tokenizer()
     m = build(compose([*TINY, "measure.prompts=synthetic:3", "measure.prompt_tokens=50",

@@ -45,7 +45,7 @@ from harness.cache import short_hash
 from harness.config import KL_CHUNK_ROWS
 from harness.errors import QuantbenchError, Unsupported
 from harness.measure import resolve_device
-from harness.measure.workloads import parse
+from harness.measure.workloads import TEMPLATE_SLACK, context_length, parse
 
 # torch, transformers and gguf are imported where used: run.py's memory check runs before any model library loads
 # (tests/test_layout.py, LAZY_OK).
@@ -180,9 +180,27 @@ def runtime_bytes(device: str) -> float:
     return float(psutil.Process().memory_info().rss)
 
 
-def context_positions(measure: Any) -> int:
-    prompt = measure.prompt_tokens if parse(str(measure.prompts)).kind == "synthetic" else TEXT_PROMPT_BOUND
-    return int(measure.context_depth + prompt + measure.max_new_tokens)
+def context_lengths(measure: Any, model: Any = None) -> tuple[int, int]:
+    """(prompt positions, all positions) one request holds, context depth included, before any tokenizer runs.
+
+    Synthetic lengths are exact; a text prompt is at most its UTF-8 bytes + BOS + the template's slack in tokens
+    (as workloads.check bounds it), never under TEXT_PROMPT_BOUND; a JSONL row's max_new_tokens counts. The
+    model's context caps both (workloads.check refuses more)."""
+    src = parse(str(measure.prompts))
+    depth = int(measure.context_depth)
+    limits = [lim or measure.max_new_tokens for lim in src.limits] or [measure.max_new_tokens]
+    if src.kind == "synthetic":
+        prompts = [int(measure.prompt_tokens)] * len(limits)
+    else:
+        slack = TEMPLATE_SLACK if measure.chat_template else 2
+        prompts = [max(TEXT_PROMPT_BOUND, len(t.encode("utf-8")) + 1 + slack) for t in src.texts]
+    prompt, total = depth + max(prompts), depth + max(p + lim for p, lim in zip(prompts, limits, strict=True))
+    ctx = context_length(model) if model is not None else None
+    return (min(prompt, ctx), min(total, ctx)) if ctx else (prompt, total)
+
+
+def context_positions(measure: Any, model: Any = None) -> int:
+    return context_lengths(measure, model)[1]
 
 
 def backend_of(quantizer: Any) -> Any:
@@ -247,8 +265,8 @@ def transformers_estimate(exp: Any, device: str) -> Estimate | None:
     if counts is None:
         return None
     q, load, fb, bits = stored(exp.quantizer, exp.model.dtype)
-    batch, positions = int(getattr(exp.strategy, "batch_size", 1) or 1), context_positions(exp.measure)
-    prompt = positions - exp.measure.max_new_tokens
+    batch = int(getattr(exp.strategy, "batch_size", 1) or 1)
+    prompt, positions = context_lengths(exp.measure, exp.model)
     # the positions the strategy's cache allocates: batch x context, or a paged cache's pages for every request
     kv_positions = getattr(exp.strategy, "kv_positions", None)
     cached = kv_positions(positions) if kv_positions is not None else batch * positions

@@ -197,7 +197,7 @@ class LlamaCppEngine:
     def _context(self, exp: Experiment) -> tuple[int, int]:
         """(n_ctx, n_batch) before the tokenizer runs: synthetic lengths are exact, text prompts bounded."""
         m, acc = exp.measure, exp.accuracy
-        n_ctx = max(memory.context_positions(m), acc.context_length if acc.enabled else 0)
+        n_ctx = max(memory.context_positions(m, exp.model), acc.context_length if acc.enabled else 0)
         return n_ctx, self.batches(exp)[0]
 
     def batches(self, exp: Experiment) -> tuple[int, int]:
