@@ -241,6 +241,20 @@ def test_crossover_ratio_and_roofline_prediction():
     assert "## Crossover" in text and "| int4 | 1024 | 1.50 (4.00) | **0.50** (" in text
 
 
+def test_crossover_keeps_one_curve_per_thread_count():
+    """`+experiment=crossover measure.threads=1,2`: the curve's key was quantizer (+ model, machine), so the
+    1-thread batch-4 cell (0.80: where int8 stops paying) was replaced by the 2-thread one."""
+    cells = []
+    for threads, (n1, i1, n4, i4) in {1: (10, 15, 30, 24), 2: (18, 36, 50, 60)}.items():
+        for q, b, tps in (("none", 1, n1), ("int8", 1, i1), ("none", 4, n4), ("int8", 4, i4)):
+            c = _cell(q, b, 0, float(tps))
+            c["tags"].update({"threads": str(threads), "sweep.cell": f"{q},{b},t{threads}"})
+            cells.append(c)
+    pts = crossover.points(report.rows_for(cells, "none"), "none")
+    assert {k: [(p["batch"], p["measured"]) for p in v] for k, v in pts.items()} == {
+        "int8 [threads 1]": [(1, 1.5), (4, 0.8)], "int8 [threads 2]": [(1, 2.0), (4, 1.2)]}
+
+
 def test_crossover_figure_and_bench_table_in_the_report(tmp_path):
     cells = [_cell(q, b, d, 30.0 * b * (1.3 if q == "int8" else 1.0)) for q in ("none", "int8") for b in (1, 4)
              for d in (0, 64)]

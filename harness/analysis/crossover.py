@@ -26,7 +26,7 @@ from typing import Any
 
 from harness.analysis import figures
 from harness.metrics import value
-from harness.records.rows import baselines, lookup
+from harness.records.rows import baselines, lookup, setting_labels
 
 
 # ------------------------------------------------------------------------------------------ flop model
@@ -84,13 +84,14 @@ def predicted_tokens_per_s(m: dict, compute_ceiling: float | None) -> float | No
 # ----------------------------------------------------------------------------------------------- table
 def points(rows: list[dict], baseline: str) -> dict[str, list[dict]]:
     """Per non-baseline quantizer: (batch, depth, measured ratio, predicted ratio) against the baseline cell of
-    the same machine, model, strategy, batch and depth. The key is the quantizer, with the model (and the
-    machine) added where the rows hold several, so one curve never mixes shapes."""
+    the same machine, model, strategy, batch and depth. The key is the quantizer, with the model, strategy,
+    speed settings (threads, ...) and machine added where the rows hold several, so one curve never mixes them."""
     ok = [r for r in rows if r["status"] == "OK" and value(r["metrics"], "decode_tokens_per_s")]
     models, hosts = {r.get("model") for r in ok}, {r.get("machine") for r in ok}
+    strategies, settings = {r.get("strategy") for r in ok}, setting_labels(ok)
 
-    def where(r: dict) -> tuple:
-        return r.get("machine"), r.get("model")
+    def where(r: dict) -> tuple:  # a compute ceiling holds for one machine, model and thread count
+        return r.get("machine"), r.get("model"), r.get("setting", "")
 
     ceiling: dict[tuple, float] = {}  # a format's compute ceiling on one machine and model
     for r in ok:
@@ -105,7 +106,11 @@ def points(rows: list[dict], baseline: str) -> dict[str, list[dict]]:
             continue
         mine = predicted_tokens_per_s(r["metrics"], ceiling.get((*where(r), r["quantizer"])))
         theirs = predicted_tokens_per_s(b["metrics"], ceiling.get((*where(r), baseline)))
+        # every axis but batch and depth that differs between cells splits the curve: one key per (batch, depth)
+        # point, or the last cell of two thread counts silently replaced the other
         label = r["quantizer"] + (f" @ {r.get('model')}" if len(models) > 1 else "") + \
+            (f" ({r.get('strategy')})" if len(strategies) > 1 else "") + \
+            (f" [{settings[r.get('setting', '')]}]" if settings.get(r.get("setting", "")) else "") + \
             (f" on {r.get('machine')}" if len(hosts) > 1 else "")
         out.setdefault(label, []).append({
             "batch": r["batch"], "depth": r["depth"],

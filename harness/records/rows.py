@@ -85,6 +85,8 @@ def setting_labels(rows: list[dict]) -> dict[str, str]:
     found = {s: s.split("|") for s in dict.fromkeys(r.get("setting", "") for r in rows)}
     width = len(SETTING_NAMES)
     differ = [i for i in range(width) if len({v[i] if len(v) == width else "" for v in found.values()}) > 1]
+    if 0 in differ:  # the threads a run used say it: "threads 1", not also "measure.threads=1"
+        differ = [i for i in differ if SETTING_NAMES[i] != "measure.threads"]
     return {s: ", ".join(f"threads {v[i]}" if i == 0 else f"{SETTING_NAMES[i]}={v[i]}" for i in differ)
             if len(v) == width else s for s, v in found.items()}
 
