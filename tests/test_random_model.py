@@ -427,3 +427,28 @@ def test_a_tied_head_is_never_filled_as_a_second_matrix(monkeypatch):
     filled.clear()
     untied = RandomModel(arch="tiny").build("float32")  # an untied head is its own matrix, filled
     assert "lm_head." in filled and untied.lm_head.weight is not untied.get_input_embeddings().weight
+
+
+def test_the_scaling_figure_fits_one_line_per_thread_count_and_path(tmp_path, monkeypatch):
+    """The figure fitted one line over an engine's rows of every thread count and path: 2-thread rows on
+    5 ms + GB / 20 GB/s plus the sweep's 1-thread 1B row drew "62.7 ms + bytes / 31 GB/s"."""
+    from harness.analysis import figures
+    from harness.records.rows import describe
+
+    cpu = {"cpu.vendor": "AuthenticAMD", "cpu.family": "25", "cpu.model": "17"}
+
+    def cell(size, params, threads, tps, gb):
+        return {"status": "OK", "metrics": {"decode_tokens_per_s": tps, "bytes_per_step": gb * 1e9, "params": params,
+                                            "bandwidth_gb_per_s": 20.0},
+                "tags": {"sweep.cell": f"{size}-{threads}", "model.name": size, "model.arch": size,
+                         "quantizer.name": "int8", "engine": "transformers", "threads": str(threads),
+                         "decode_path": "best", **cpu}}
+
+    rows = [describe(c) for c in (cell("1b", 1.2e9, 2, 1e3 / 70, 1.3), cell("3b", 3.2e9, 2, 1e3 / 170, 3.3),
+                                  cell("1b", 1.2e9, 1, 1e3 / 140, 1.3))]
+    labels: list[str] = []
+    save = figures.save
+    monkeypatch.setattr(figures, "save", lambda fig, path, dpi=None: (labels.extend(
+        ln.get_label() for ax in fig.axes for ln in ax.get_lines() if "fit" in ln.get_label()), save(fig, path))[1])
+    scaling.write(tmp_path, rows)
+    assert labels == ["quantbench best 2t fit: 5.0 ms + bytes / 20 GB/s"]

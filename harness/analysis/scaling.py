@@ -233,6 +233,16 @@ def section(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fit_lines(pts: list[dict]) -> list[tuple[str, str, str, tuple[float, float]]]:
+    """(threads, engine, path, fit) of the figure's lines: the table's "all formats" groups that decided. One line
+    over every engine's rows mixed thread counts and paths (62.7 ms + bytes / 31 GB/s for rows that follow
+    5 ms + bytes / 20 GB/s, plus one 1-thread row)."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for p in pts:
+        groups.setdefault((p["threads"], p["engine"], p["path"]), []).append(p)
+    return [(*k, got) for k, sel in sorted(groups.items()) if (got := fit(sel)) is not None and decided(got)]
+
+
 def write(folder: Path, rows: list[dict], title: str = "scaling") -> list[Path]:
     """scaling.png (see module docstring); [] when the cells span fewer than two sizes."""
     if not applies(rows):
@@ -260,11 +270,11 @@ def write(folder: Path, rows: list[dict], title: str = "scaling") -> list[Path]:
         bw = bws[len(bws) // 2]
         ax.plot(grid, [g / bw * 1e3 for g in grid], color="black", lw=1.2,
                 label=f"roofline: bytes / {bw:.0f} GB/s (measured)")
-    for k, engine in enumerate(sorted({p["engine"] for p in pts})):
-        got = fit([p for p in pts if p["engine"] == engine])
-        if got is not None and decided(got):
-            ax.plot(grid, [got[0] + g / got[1] * 1e3 for g in grid], ls="--", lw=1, color="grey" if k == 0 else "tab:brown",
-                    label=f"{_label(engine)} fit: {got[0]:.1f} ms + bytes / {got[1]:.0f} GB/s")
+    for k, line in enumerate(fit_lines(pts)):
+        threads, engine, path, got = line
+        ax.plot(grid, [got[0] + g / got[1] * 1e3 for g in grid], ls=("--", ":", "-.")[k % 3], lw=1,
+                color="grey" if engine == "transformers" else "tab:brown",
+                label=f"{_label(engine)} {path} {threads}t fit: {got[0]:.1f} ms + bytes / {got[1]:.0f} GB/s")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("GB read per decode step (weights as stored + KV cache)")
