@@ -28,3 +28,10 @@ def ratio(times: dict[str, list[float]], num: str, den: str) -> str:
     if min(pairs) <= 1.0 <= max(pairs):
         text += ": undecided because noisy (the pairs fall on both sides of 1.00x)"
     return text
+
+
+def range_ratio(num: dict, den: dict, key: str = "decode_tokens_per_s") -> str:
+    """'R.RRx (lo-hi)' of two runs' medians, lo-hi from their p10-p90 (num's p10 over den's p90, and back), for rows
+    measured one after the other (not alternated): a range across 1.00x is undecided because noisy, said so."""
+    mid, lo, hi = num[key] / den[key], num[f"{key}_p10"] / den[f"{key}_p90"], num[f"{key}_p90"] / den[f"{key}_p10"]
+    return f"{mid:.2f}x ({lo:.2f}-{hi:.2f}" + (", undecided because noisy)" if lo <= 1.0 <= hi else ")")

@@ -22,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # after ROOT: benchmarks/strategies.py is not the package
+
+import ab  # noqa: E402
 
 from harness.env import wikitext_dir  # noqa: E402
 
@@ -61,11 +64,12 @@ def main() -> None:
         if r.status != "OK":
             print(f"[bench] {name} FAILED: {r.error}", file=sys.stderr, flush=True)
 
-    base = next((r.metrics.get("decode_tokens_per_s") for n, r in rows if n == "fp32" and r.status == "OK"), None)
+    base = next((r.metrics for n, r in rows if n == "fp32" and r.status == "OK"), None)
     from harness.env import cpu_info
 
     print(f"\nCPU: {cpu_info().describe()}. Each row is its own run, one after another (not alternated): the "
-          "vs fp32 column divides speeds measured minutes apart, so read a ratio near 1 as undecided")
+          "vs fp32 column divides speeds measured minutes apart; its range is the two runs' p10-p90, and a range "
+          "across 1.00x is marked undecided")
     print("\n| quantizer | backend | weight MB | bits/weight | decode tok/s (p10-p90) | vs fp32 | perplexity | "
           "KL | top-1 agree | quantize s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -76,7 +80,7 @@ def main() -> None:
             continue
         tps = m.get("decode_tokens_per_s", float("nan"))
         spread = f"{m.get('decode_tokens_per_s_p10', float('nan')):.1f}-{m.get('decode_tokens_per_s_p90', float('nan')):.1f}"
-        ratio = f"{tps / base:.2f}x" if base else "n/a"
+        ratio = ab.range_ratio(m, base) if base else "n/a"
         q = m.get("quantize_s")
         qs = "-" if q is None else f"{q:.1f}" + (" (cached)" if t.get("quantizer.cache") == "hit" else "")
         print(f"| {name} | {t.get('quantizer.backend', '')} | {m['weight_bytes'] / 1e6:.0f} | "

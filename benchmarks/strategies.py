@@ -7,7 +7,8 @@ step, shared by every row) toward compute-bound.
 Table 2: speculative decoding (fp32 target, greedy verification, output checked == plain greedy on every
 prompt) per draft kind x draft tokens on two prompt sets: `default` (free text) and `edit`
 (input-grounded, where prompt lookup can copy spans of the prompt). Speedup is against plain greedy of
-the same target on the same prompts, timed alternately in the same run.
+the same target on the same prompts, timed alternately in the same run. The batch sizes alternate too (forwards,
+then backwards), and bs16 / bs1 is the median of per-repetition pairs with their range (benchmarks/ab.py).
 
     flock /tmp/qb-heavy.lock python benchmarks/strategies.py [--new-tokens 48] [--reps 2]
 """
@@ -20,6 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # after ROOT: this file is not the `strategies` package
+
+from ab import ratio  # noqa: E402
 
 
 def batching_table(source, tok, prompts, new_tokens: int, reps: int) -> list[str]:
@@ -32,22 +36,31 @@ def batching_table(source, tok, prompts, new_tokens: int, reps: int) -> list[str
     rows = ["| dtype | " + " | ".join(f"bs {b} tok/s" for b in sizes) + " | bs16 / bs1 | bs16 per-seq tok/s |",
             "|---|" + "---|" * (len(sizes) + 2)]
     opts = DecodeOptions(max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
+    notes = []
     for dtype in ("float32", "bfloat16"):
         model = load_pretrained(source, dtype, "cpu")
-        tps, per_seq = {}, 0.0
+        strategies = {bs: StaticBatch(batch_size=bs) for bs in sizes}
+        batches = {bs: st.batches(prompts)[0] for bs, st in strategies.items()}
+        gens: dict[int, list] = {bs: [] for bs in sizes}
         for bs in sizes:
-            strategy = StaticBatch(batch_size=bs)
-            batch = strategy.batches(prompts)[0]
-            strategy.generate(model, batch, opts)  # warmup
-            gens = [strategy.generate(model, batch, opts) for _ in range(reps)]
-            s = measure.summarize(gens)
-            tps[bs] = s["decode_tokens_per_s"]
-            per_seq = strategy.metrics(gens)["per_sequence_tokens_per_s"]
-            print(f"  {dtype} bs {bs}: {tps[bs]:.1f} tok/s (cv {s['decode_tokens_per_s_cv']:.0%})", flush=True)
+            strategies[bs].generate(model, batches[bs], opts)  # warmup
+        # the sizes in turn, forwards then backwards, `reps` times: each bs16/bs1 pair ran seconds apart, under the
+        # same load (benchmarks/ab.py), not every repetition of one size before the next size
+        for rep in range(reps):
+            for bs in (sizes if rep % 2 == 0 else sizes[::-1]):
+                gens[bs].append(strategies[bs].generate(model, batches[bs], opts))
+        tps = {bs: measure.summarize(g)["decode_tokens_per_s"] for bs, g in gens.items()}
+        for bs in sizes:
+            print(f"  {dtype} bs {bs}: {tps[bs]:.1f} tok/s "
+                  f"(cv {measure.summarize(gens[bs])['decode_tokens_per_s_cv']:.0%})", flush=True)
+        per_rep = {f"bs{bs}": [measure.summarize([g])["decode_tokens_per_s"] for g in gens[bs]] for bs in (1, 16)}
+        pair = ratio(per_rep, "bs16", "bs1")
+        notes.append(f"- {dtype}: {pair}")
+        per_seq = strategies[16].metrics(gens[16])["per_sequence_tokens_per_s"]
         rows.append(f"| {dtype} | " + " | ".join(f"{tps[b]:.1f}" for b in sizes)
-                    + f" | {tps[16] / tps[1]:.2f}x | {per_seq:.1f} |")
+                    + f" | {pair.split(' = ')[1].split(' (')[0]} | {per_seq:.1f} |")
         del model
-    return rows
+    return [*rows, "", "bs16 / bs1, the median of per-repetition pairs:", *notes]
 
 
 def speculative_table(source, tok, prompt_sets: dict, new_tokens: int, draft_ks: tuple[int, ...]) -> list[str]:

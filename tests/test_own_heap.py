@@ -76,3 +76,8 @@ def test_a_side_by_side_ratio_whose_pairs_straddle_one_is_reported_undecided():
     assert noisy.startswith("kept / freed = 1.05x (pairs 0.34-2.86, n=3): undecided because noisy")
     clear = ab.ratio({"kept": [2.0, 2.2, 2.1], "freed": [1.0, 1.05, 1.1]}, "kept", "freed")
     assert clear == "kept / freed = 2.00x (pairs 1.91-2.10, n=3)"
+    # rows measured one after the other (benchmarks/quantizers.py's vs fp32): the range of their p10-p90
+    run = lambda mid, lo, hi: {"decode_tokens_per_s": mid, "decode_tokens_per_s_p10": lo,  # noqa: E731
+                               "decode_tokens_per_s_p90": hi}
+    assert ab.range_ratio(run(98, 90, 102), run(100, 95, 105)) == "0.98x (0.86-1.07, undecided because noisy)"
+    assert ab.range_ratio(run(150, 140, 160), run(100, 95, 105)) == "1.50x (1.33-1.68)"
