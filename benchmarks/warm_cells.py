@@ -9,7 +9,8 @@ tracking) through `harness.sweep.isolated.run_isolated`, `--cells` times with ea
 spawn / forkserver so both see the same machine load. Per cell it prints the wall time as the sweep sees
 it, `cell_start_s` (until the child is ready), the run itself (`runner.run` inside the child: build,
 tokenizer, model, generation) and the fixed cost = wall - the run's work as measured on a warm process.
-The work of a warm process is measured first, in this process (second call of runner.run), so "fixed"
+The work of a warm process is measured first, in this process (the median of three warm calls of runner.run,
+its range printed beside "fixed"), so "fixed"
 holds everything a cell pays that a long-lived process would not: interpreter start, imports (also the
 lazy ones inside the run), fork, pipes.
 
@@ -27,6 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # after ROOT: benchmarks/strategies.py is not the package
+
+import ab  # noqa: E402
 
 TINY = ["model=tiny_random", "measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0",
         "accuracy.enabled=false", "tracking.enabled=false"]
@@ -53,9 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     config = to_plain(compose(TINY))
     config.pop("hydra", None)
     runner.run(config)  # warm this process: imports, tiny model cache
-    t = time.perf_counter()
-    runner.run(config)
-    warm_work = time.perf_counter() - t
+    works = []
+    for _ in range(3):  # one warm run was one noisy number: "fixed" came out negative when it ran slow
+        t = time.perf_counter()
+        runner.run(config)
+        works.append(time.perf_counter() - t)
+    warm_work = statistics.median(works)
 
     t = time.perf_counter()
     warm_up(SweepSettings(start_method="forkserver"))
@@ -75,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nCPU: {cpu_info().describe()}, {len(__import__('os').sched_getaffinity(0))} cores; tiny-model cell "
           f"({' '.join(TINY)})")
-    print(f"warm process, runner.run of this cell: {warm_work:.2f} s; first forkserver cell of a sweep, "
+    print(f"warm process, runner.run of this cell: {ab.spread(works)}; first forkserver cell of a sweep, "
           f"including the server's start and imports (once per sweep): {first_s:.1f} s\n")
     print(f"| start method | cells | wall s (median) | start s | runner.run s | fixed s = wall - {warm_work:.2f} |")
     print("|---|---|---|---|---|---|")
@@ -83,10 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         if not vals:
             continue
         wall, start, work = (statistics.median(v[i] for v in vals) for i in range(3))
-        print(f"| {method} | {len(vals)} | {wall:.2f} | {start:.2f} | {work:.2f} | {wall - warm_work:.2f} |")
-    if rows.get("spawn") and rows["forkserver"]:
-        ratio = statistics.median(v[0] for v in rows["spawn"]) / statistics.median(v[0] for v in rows["forkserver"])
-        print(f"\nspawn / forkserver wall time per cell: {ratio:.1f}x")
+        # the range from the warm runs' min and max: a range reaching 0 is no fixed cost this run could measure
+        lo, hi = wall - max(works), wall - min(works)
+        fixed = f"{wall - warm_work:.2f} ({lo:.2f} to {hi:.2f}" + (", undecided because noisy)" if lo <= 0 else ")")
+        print(f"| {method} | {len(vals)} | {wall:.2f} | {start:.2f} | {work:.2f} | {fixed} |")
+    if rows.get("spawn") and rows["forkserver"]:  # cell i of each method ran side by side (alternated)
+        walls = {m: [v[0] for v in vals] for m, vals in rows.items()}
+        print(f"\nwall time per cell, {ab.ratio(walls, 'spawn', 'forkserver')}")
     return 0
 
 
