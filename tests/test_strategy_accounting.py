@@ -474,3 +474,17 @@ def test_a_static_batch_whose_rows_stop_at_eos_is_counted_by_its_measured_steps(
     assert r["achieved_gb_per_s"] == pytest.approx(r["bytes_per_step"] * steps / wall / 1e9)
     # every row emitting every step: the batch's own accounting, unchanged
     assert roofline.measured_step({"batch_size": 4.0, "decode_tokens_per_step": 4.0}, 40.0) is None
+
+
+def test_continuous_batching_reads_the_kv_of_the_rows_a_forward_held(target):
+    """A continuous-batching forward holds the rows scheduled then (measured: 2.5 of at most 8 here) and reads their
+    KV; bytes_per_step took `batch_size` rows (8) of KV, 3.2x the KV a forward read."""
+    shape = roofline.shape_from_torch(target)
+    work = roofline.measured_step({"batch_size": 8.0, "decode_tokens_per_step": 2.5}, 40.0,
+                                  roofline.STEP_ACCOUNTING_CB)
+    r = roofline.roofline_metrics(shape, Bandwidth(50e9, "test"), 8, 40.0, 100.0, work)
+    assert r["bytes_per_step"] == pytest.approx(shape.weights_read(2.5) + 2.5 * shape.kv_bytes_per_token * 40.0)
+    # rows past EOS are still computed: a static batch's forward reads all 8 rows
+    eos = roofline.measured_step({"batch_size": 8.0, "decode_tokens_per_step": 2.5}, 40.0)
+    assert roofline.roofline_metrics(shape, Bandwidth(50e9, "test"), 8, 40.0, 100.0, eos)["bytes_per_step"] == \
+        pytest.approx(roofline.bytes_per_step(shape, 8, 40.0))

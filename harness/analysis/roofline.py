@@ -122,9 +122,8 @@ def shape_from_gguf(path: str | Path, kv_elem_bytes: float = 2.0) -> ModelShape:
     emb = tensors["token_embd.weight"]
     heads = field("attention.head_count")
     kv_heads = field("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in reader.fields else heads
-    head_dim = field("embedding_length") // heads
-    if f"{arch}.attention.key_length" in reader.fields:
-        head_dim = field("attention.key_length")
+    key_length = f"{arch}.attention.key_length" in reader.fields
+    head_dim = field("attention.key_length") if key_length else field("embedding_length") // heads
     rows = int(max(int(d) for d in emb.shape))  # GGUF lists dims innermost first: (hidden, vocab)
     return ModelShape(weight_bytes=float(sum(int(t.n_bytes) for t in reader.tensors)),
                       embed_bytes=float(emb.n_bytes), embed_rows=rows, tied="output.weight" not in tensors,
@@ -153,7 +152,7 @@ def fixed_context(lengths_steps: list[tuple[int, int]]) -> float:
     return sum(length * n for length, n in lengths_steps) / steps if steps else 0.0
 
 
-def bytes_per_step(shape: ModelShape, batch: int, context: float) -> float:
+def bytes_per_step(shape: ModelShape, batch: float, context: float) -> float:
     return shape.weights_read(batch) + batch * shape.kv_bytes_per_token * context
 
 
@@ -190,10 +189,11 @@ def measured_step(metrics: dict, context: float, accounting: str | None = None) 
 
 def roofline_metrics(shape: ModelShape, bw: Bandwidth, batch: int, context: float,
                      decode_tokens_per_s: float, work: StepWork | None = None) -> dict[str, float]:
-    """The roofline metrics (names are a contract); `work`: a step of more than one target forward per row (its
-    context replaces `context`)."""
+    """The roofline metrics (names are a contract); `work`: a measured step (its context replaces `context`; under
+    continuous batching a forward reads the weights and KV of the rows measured per forward, not `batch`)."""
     context = work.context if work is not None else context
-    step = bytes_per_step(shape, batch, context) + (work.extra_bytes if work is not None else 0.0)
+    rows = work.tokens_per_step if work is not None and work.accounting == STEP_ACCOUNTING_CB else batch
+    step = bytes_per_step(shape, rows, context) + (work.extra_bytes if work is not None else 0.0)
     per_step = work.tokens_per_step if work is not None else batch  # tokens one step emits
     bound = per_step * bw.bytes_per_s / step
     achieved = decode_tokens_per_s if decode_tokens_per_s == decode_tokens_per_s else float("nan")
