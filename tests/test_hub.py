@@ -57,3 +57,22 @@ def test_missing_and_unreachable_read_the_same_for_a_corpus_and_a_model(answer):
     answer["value"] = "ok"
     corpus.check("owner/corpus:raw:test")
     HFModel(name_or_path="owner/model").preflight()
+
+
+def test_a_hub_models_identity_follows_the_commit_its_branch_points_at(monkeypatch, tmp_path):
+    """Caches of what the weights give (the KL reference, GPTQ checkpoints) were keyed by the revision name: after
+    `main` moved to a new commit, the old reference would have scored the new weights."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    repo = tmp_path / "hub" / "models--owner--model"
+    (repo / "refs").mkdir(parents=True)
+    model = HFModel(name_or_path="owner/model")
+    assert model.identity()["commit"] is None  # not downloaded yet
+    ids = []
+    for sha in ("a" * 40, "b" * 40):  # what snapshot_download leaves: refs/main -> snapshots/<sha>
+        (repo / "snapshots" / sha).mkdir(parents=True)
+        (repo / "snapshots" / sha / "config.json").write_text("{}")
+        (repo / "refs" / "main").write_text(sha)
+        ids.append(model.identity())
+    assert [i["commit"] for i in ids] == ["a" * 40, "b" * 40] and ids[0] != ids[1]

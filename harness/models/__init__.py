@@ -232,7 +232,10 @@ class HFModel(ModelSource):
         if local.is_dir():
             files = sorted(local.glob("*.safetensors"))
             return {"dir": str(local.resolve()), "files": [file_key(f) for f in files]}
-        return {"hub": self.name_or_path, "revision": self.revision}
+        # a branch name moves: the commit it points at in the local cache keys what was computed from the weights
+        # (references, GPTQ checkpoints), or a reference of last month's `main` would score this month's weights
+        snap = hub.cached_snapshot(self.name_or_path, "model", self.revision)
+        return {"hub": self.name_or_path, "revision": self.revision, "commit": snap.name if snap else None}
 
     def preflight(self) -> None:
         local = Path(self.name_or_path)
