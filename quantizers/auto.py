@@ -9,7 +9,9 @@ else is delegated to it; tags `quantizer.backend` and `quantizer.resolved` recor
 `cpu/<isa>`, `cpu+compile`, `cpu`. On CUDA the first candidate comes from the format-path table per GPU
 architecture (quantizers/gpu_paths.py: quantizer, kernel and inductor flags per compute-capability class, each
 with its source), read from `torch.cuda.get_device_capability()` at preflight (tags `gpu.arch`,
-`quantizer.gpu_path`, `quantizer.gpu_path_by`); the rest of the cuda row follows it as fallbacks.
+`quantizer.gpu_path`, `quantizer.gpu_path_by`); a table row whose preflight refuses (a missing package, a group
+size that does not divide the model's widths: preshuffled's 128 on SmolLM2's 576) gives way to the table's next row,
+and the rest of the cuda row follows them as fallbacks.
 
 | device / row | none | int8 | int4 |
 |---|---|---|---|
@@ -126,12 +128,27 @@ def build_named(name: str, overrides: dict[str, Any] | None = None) -> Quantizer
         raise
 
 
-def gpu_candidates(bits: str, device: str, names: tuple[str, ...]) -> tuple[gpu_paths.Choice,
-                                                                            list[tuple[str, dict[str, Any]]]]:
-    """(the GPU path table's pick for this GPU, candidates in order): the pick first, then the cuda row's others."""
-    choice = gpu_paths.path_for(bits, gpu_paths.device_capability(device))
-    first = (choice.path.quantizer, dict(choice.path.overrides))
-    return choice, [first] + [(n, {}) for n in names if n != first[0]]
+Candidate = tuple[gpu_paths.Choice | None, str, dict[str, Any]]  # (its GPU path table row, name, overrides)
+
+
+def gpu_candidates(bits: str, device: str, names: tuple[str, ...]) -> list[Candidate]:
+    """Candidates in order: the GPU path table's rows for this GPU, then the cuda row's backends not among them."""
+    choices = gpu_paths.paths_for(bits, gpu_paths.device_capability(device))
+    rows: list[Candidate] = [(c, c.path.quantizer, dict(c.path.overrides)) for c in choices]
+    return rows + [(None, n, {}) for n in names if all(n != c.path.quantizer for c in choices)]
+
+
+def gpu_choice(taken: Candidate, first: gpu_paths.Choice, reasons: list[str]) -> gpu_paths.Choice:
+    """Tags gpu.arch / quantizer.gpu_path / quantizer.gpu_path_by for the candidate that ran, with why the table's
+    pick did not."""
+    choice, name, _ = taken
+    if choice is first:
+        return first
+    if choice is not None:  # a later row of the table
+        return gpu_paths.Choice(choice.path, choice.arch,
+                                f"{choice.by}; {first.path.label} did not run ({reasons[0]})")
+    return gpu_paths.Choice(gpu_paths.GpuPath(name), first.arch,
+                            f"{first.by}; its pick {first.path.label} did not run ({reasons[0]}), took {name}")
 
 
 @dataclass
@@ -167,15 +184,18 @@ class Auto(Quantizer):
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
         self._compiled = getattr(measure, "compile", False) is True  # picks the table's +compile rows
+        self.see_model(parts.get("model"))  # each candidate's preflight checks it (group sizes, Conv1D)
 
     def preflight(self, device: str) -> None:
         row, names = candidates(self.bits, device, self._compiled)
-        plan = [(n, {}) for n in names]
+        plan: list[Candidate] = [(None, n, {}) for n in names]
         self._gpu = None
         if device.startswith("cuda"):
-            self._gpu, plan = gpu_candidates(self.bits, device, names)
+            plan = gpu_candidates(self.bits, device, names)
+        first = plan[0][0] if plan else None
         reasons, hardware = [], bool(plan)
-        for name, overrides in plan:
+        for taken in plan:
+            _, name, overrides = taken
             candidate = build_named(name, overrides)
             try:
                 if self.head != "keep":
@@ -184,15 +204,14 @@ class Auto(Quantizer):
                         continue
                     # built with it, so that its own __post_init__ checks it against the kernel
                     candidate = build_named(name, {**overrides, "head": self.head})
+                candidate.see_model(self._source)
                 candidate.preflight(device)
             except QuantbenchError as exc:
                 reasons.append(f"{name}: {exc}")
                 hardware = hardware and isinstance(exc, Unsupported)
                 continue
             self._resolved, self._resolved_name, self._row = candidate, name, row
-            if self._gpu is not None and (name, overrides) != (self._gpu.path.quantizer, self._gpu.path.overrides):
-                why = f"{self._gpu.by}; its pick {self._gpu.path.label} did not run ({reasons[0]}), took {name}"
-                self._gpu = gpu_paths.Choice(gpu_paths.GpuPath(name), self._gpu.arch, why)
+            self._gpu = gpu_choice(taken, first, reasons) if first is not None else None
             return
         # every candidate needs other hardware: this machine cannot run it (a sweep cell is SKIPPED, not FAILED)
         raise (Unsupported if hardware else QuantbenchError)(f"quantizer {self.bits}: no backend runs on {device} ("

@@ -5,18 +5,22 @@ subclasses such as torchao's and quanto's are unpacked through `__tensor_flatten
 scales on the parameter), linear layers and how many of them hold quantized weights, and the classes
 that do the matmul (the kernel path). A quantizer whose targeted layers are not all quantized, or whose
 stored bits per weight exceed its `max_bits_per_weight`, fails the run: a silent no-op or fallback is
-the usual way quantization benchmarks lie.
+the usual way quantization benchmarks lie. transformers' `Conv1D` (GPT-2 family: weight stored (in, out), sizes
+`nx`/`nf`) counts as a linear layer; torchao and quanto replace `nn.Linear` only, so preflight refuses them on a model
+that has Conv1D layers (`model_linears`: the layers read from the config on the meta device, before any weight).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from harness.errors import QuantbenchError, Unsupported
-from harness.models import load_pretrained
+from harness.models import hub, load_pretrained
 from quantizers import gpu_paths
 
 # torch is imported where used: config validation instantiates quantizers before any model library loads
@@ -65,10 +69,21 @@ def tensor_bytes(t: Any, seen: set[Any] | None = None) -> int:
     return n
 
 
+# libraries whose quantize pass replaces nn.Linear only: transformers' Conv1D (GPT-2 family) stays float
+NN_LINEAR_ONLY = ("torchao", "optimum.quanto")
+_LINEARS: dict[str, list[tuple[str, str, int, int]]] = {}  # model_linears per config, per process
+
+
+def _is_conv1d(m: Any) -> bool:
+    # transformers' Conv1D (GPT-2 family): a linear layer whose weight is stored (in, out), sized by nx/nf
+    return type(m).__name__ == "Conv1D" and isinstance(getattr(m, "nf", None), int) \
+        and getattr(m, "weight", None) is not None
+
+
 def _is_linear(m: Any) -> bool:
     import torch
 
-    if isinstance(m, torch.nn.Linear) or hasattr(m, "qweight"):
+    if isinstance(m, torch.nn.Linear) or hasattr(m, "qweight") or _is_conv1d(m):
         return True
     # quantized linears that are not nn.Linear subclasses and may repack their weights under other
     # names (gptqmodel's CPU int8 kernel keeps `int8_weight_nk`): a module with in/out features that
@@ -87,8 +102,8 @@ def _weight_like(m: Any) -> Any:
 
 
 def _logical_weights(m: Any) -> int:
-    fin = getattr(m, "in_features", None) or getattr(m, "infeatures", None)
-    fout = getattr(m, "out_features", None) or getattr(m, "outfeatures", None)
+    fin = getattr(m, "in_features", None) or getattr(m, "infeatures", None) or getattr(m, "nx", None)
+    fout = getattr(m, "out_features", None) or getattr(m, "outfeatures", None) or getattr(m, "nf", None)
     if fin and fout:
         return int(fin) * int(fout)
     return int(m.weight.numel())
@@ -102,7 +117,7 @@ def _bias_numel(m: Any) -> int:
 def _is_quantized(m: Any) -> bool:
     import torch
 
-    if hasattr(m, "qweight") or type(m) is not torch.nn.Linear:
+    if hasattr(m, "qweight") or (type(m) is not torch.nn.Linear and not _is_conv1d(m)):
         return True
     w = m.weight
     return type(w) not in (torch.Tensor, torch.nn.Parameter) or not w.dtype.is_floating_point
@@ -142,15 +157,59 @@ def _tied_copy_weights(model: Any, linear_ids: set[int]) -> int:
     return _logical_weights(head)
 
 
-def audit_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, Any]:
-    """Count what the model really stores (see module docstring)."""
-    seen: set[Any] = set()
+def linear_layers(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> tuple[list, list]:
+    """(every linear layer, those not in `skip`) as (name, module), outermost only."""
     linear, targeted = [], []
     for name, m in model.named_modules():
         if _is_linear(m) and not any(name.startswith(f"{p}.") for p, _ in linear):
             linear.append((name, m))
             if not any(name == s or name.endswith("." + s) for s in skip):
                 targeted.append((name, m))
+    return linear, targeted
+
+
+def _hf_config(source: Any) -> Any:
+    """The HF config that describes `source` without its weights; None where none does here (a GGUF, a hub id that
+    is not cached)."""
+    if hasattr(source, "hf_config"):
+        return source.hf_config()
+    spec = str(getattr(source, "name_or_path", "") or "")
+    local = Path(spec) if spec and Path(spec).is_dir() else None
+    if local is None and spec:
+        local = hub.cached_snapshot(spec, "model", getattr(source, "revision", "main"))
+    if local is None or not (local / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(local), trust_remote_code=False)
+
+
+def model_linears(source: Any, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, str, int, int]] | None:
+    """(name, class, input width, output width) of every targeted linear layer of `source`, read from its config on
+    the meta device (no weights, milliseconds to a second; once per config); None where no config describes it."""
+    try:
+        cfg = _hf_config(source)
+        if cfg is None:
+            return None
+        key = f"{cfg.to_json_string()}{skip}"
+        if key not in _LINEARS:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg)
+            _LINEARS[key] = [(n, type(m).__name__, int(m.nx if _is_conv1d(m) else m.in_features),
+                              int(m.nf if _is_conv1d(m) else m.out_features))
+                             for n, m in linear_layers(model, skip)[1] if hasattr(m, "in_features") or _is_conv1d(m)]
+        return _LINEARS[key]
+    except (QuantbenchError, OSError, ValueError, KeyError, AttributeError, TypeError, ImportError):
+        return None  # the check is skipped; the audit after loading still holds
+
+
+def audit_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, Any]:
+    """Count what the model really stores (see module docstring)."""
+    seen: set[Any] = set()
+    linear, targeted = linear_layers(model, skip)
     target_bytes = sum(module_bytes(m, seen) for _, m in targeted)
     # a bias is stored weights too (in the float dtype): counted, a biased float linear stays at its 16/32 bits
     target_weights = sum(_logical_weights(m) + _bias_numel(m) for _, m in targeted)
@@ -198,10 +257,19 @@ class Quantizer:
     # the floor row of a compiled step then compiles its pass too (harness/measure/floor.py); others call the same
     # kernel eager and compiled, and their floor stays eager (no second compile on the device's clock)
     eager_dequantizes = False
+    _source = None  # the model source (check_with, or Auto for its candidates): preflight checks its linear layers
 
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def see_model(self, source: Any) -> None:
+        """Remember the model source so that preflight can check its layers before anything loads."""
+        self._source = source
+
+    def linears(self) -> list[tuple[str, str, int, int]] | None:
+        """The targeted linear layers of the model seen (model_linears); None where unknown."""
+        return model_linears(self._source, self.skip_modules) if self._source is not None else None
 
     def load_dtype(self, model_dtype: str) -> str:
         """dtype the float parts are loaded in (default: the model's configured dtype)."""
@@ -216,6 +284,13 @@ class Quantizer:
             need = "needs CUDA: " if tuple(self.devices) == ("cuda",) else ""
             raise Unsupported(f"{need}quantizer {self.name} ({self.backend}) does not run on {device} "
                               f"(supported: {', '.join(self.devices)}); use {self.instead}")
+        if self.quantizes and self.library in NN_LINEAR_ONLY and (layers := self.linears()):
+            conv = [n for n, cls, _, _ in layers if cls == "Conv1D"]
+            if conv:  # the library would leave them float and the audit would refuse after the whole load
+                raise QuantbenchError(f"quantizer {self.name} ({self.library}) quantizes nn.Linear layers only, and "
+                                      f"{len(conv)} of this model's {len(layers)} linear layers are transformers "
+                                      f"Conv1D (GPT-2 family, e.g. {conv[0]}); use quantizer=bnb_int8 or "
+                                      "quantizer=bnb_nf4, which convert Conv1D")
 
     def compile_blocker(self, device: str) -> str:
         """Why measure.compile=true cannot run with this quantizer on `device`; "" when it can."""
@@ -259,10 +334,18 @@ class Quantizer:
         """Audit the stored model and fail on a silent no-op (see module docstring)."""
         report = audit_model(model, self.skip_modules)
         bits, n_lin, n_q = report["bits_per_weight"], report["linear_layers"], report["quantized_layers"]
+        if not n_lin:  # bits/weight would be 0/0: say what the model is made of instead
+            classes = sorted({type(m).__name__ for m in model.modules() if getattr(m, "weight", None) is not None})
+            raise QuantbenchError(f"quantizer {self.name} found no linear layers to audit (module classes: "
+                                  f"{', '.join(classes) or 'none with weights'}); quantbench audits nn.Linear, "
+                                  "transformers Conv1D and quantized linears: use a model built from them")
         if self.quantizes and n_q < n_lin:
+            left = Counter(f"{type(m).__module__.split('.')[0]}.{type(m).__name__}[{_weight_desc(_weight_like(m))}]"
+                           for _, m in linear_layers(model, self.skip_modules)[1] if not _is_quantized(m))
             raise QuantbenchError(f"quantizer {self.name} left {int(n_lin - n_q)} of {int(n_lin)} targeted linear "
-                                  f"layers unquantized (kernel path {report['kernel_path']}); refusing a silent "
-                                  "no-op")
+                                  f"layers unquantized ({', '.join(f'{n} x {k}' for k, n in sorted(left.items()))}; "
+                                  f"kernel path {report['kernel_path']}); {self.name} did not convert them, so "
+                                  "refusing a silent no-op: use a quantizer that supports these layers")
         if not self.min_bits_per_weight <= bits <= self.max_bits_per_weight:
             raise QuantbenchError(f"quantizer {self.name} stores {bits:.2f} bits/weight, outside the expected "
                                   f"{self.min_bits_per_weight:g}..{self.max_bits_per_weight:g}; the backend did not "
@@ -270,4 +353,6 @@ class Quantizer:
         return report
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
-        """Cross-section checks at config time (e.g. GPTQ needs a calibration corpus)."""
+        """Cross-section checks at config time (e.g. GPTQ needs a calibration corpus). Default: remember the model
+        for preflight's layer checks (reading its config imports transformers: not at config time)."""
+        self.see_model(parts.get("model"))

@@ -201,24 +201,34 @@ def device_capability(device: str) -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def path_for(fmt: str, capability: tuple[int, int] | None,
-             available: Callable[[str], bool] | None = None) -> Choice:
-    """The first row of (fmt, arch) whose package is `available` (default `importable`, looked up per call: tests
-    patch it), and why (module docstring)."""
+def paths_for(fmt: str, capability: tuple[int, int] | None,
+              available: Callable[[str], bool] | None = None) -> list[Choice]:
+    """Every row of (fmt, arch) whose package is `available` (default `importable`, looked up per call: tests patch
+    it), in order, each with why (module docstring). A row that cannot take the model (quantizers/auto.py: a group
+    size that does not divide its widths) gives way to the next."""
     available = available or importable
     if fmt not in FORMATS:
         raise KeyError(f"no GPU path table for format {fmt!r}; formats: {', '.join(FORMATS)}")
     arch = gpu_arch(capability)
     key = (fmt, arch) if (fmt, arch) in TABLE else (fmt, FALLBACK)
     where = f"sm_{capability[0]}{capability[1]}" if capability else "capability unknown"
-    skipped = []
+    skipped: list[str] = []
+    choices = []
     for i, path in enumerate(TABLE[key], 1):
         if path.package and not available(path.package):
             skipped.append(f"{path.label} needs {path.package} (pip install {path.pip or path.package})")
             continue
         by = f"gpu path table {key[0]} @ {key[1]} row {i} ({where})"
-        return Choice(path, arch, by + ("; skipped " + "; ".join(skipped) if skipped else ""))
-    raise LookupError(f"every GPU path for {fmt} on {arch} needs a missing package: {'; '.join(skipped)}")
+        choices.append(Choice(path, arch, by + ("; skipped " + "; ".join(skipped) if skipped else "")))
+    if not choices:
+        raise LookupError(f"every GPU path for {fmt} on {arch} needs a missing package: {'; '.join(skipped)}")
+    return choices
+
+
+def path_for(fmt: str, capability: tuple[int, int] | None,
+             available: Callable[[str], bool] | None = None) -> Choice:
+    """The first row of (fmt, arch) whose package is `available` (paths_for), and why."""
+    return paths_for(fmt, capability, available)[0]
 
 
 def inductor_tag(flags: dict[str, Any]) -> str:

@@ -45,6 +45,11 @@ int8 weight-only (`Int8WeightOnlyConfig`, per-row scales) has two kernels, chose
   dequantize + mm into `aten::_weight_int8pack_mm` too. Kept for comparison.
 Tag `kernel.linear` records which op really ran.
 
+torchao skips, silently, an int4 layer whose input width `group_size` does not divide; preflight refuses such a
+model in one line naming the width and the group sizes that would do (`group_problem`, from the config alone).
+tinygemm pads every matrix to in_features a multiple of 1024 (out a multiple of 8), so a 576-wide model stores ~7.5
+bits/weight at groups of 64: its audit bound is computed from the padded shapes (`tinygemm_bits`).
+
 The CUDA kernels (`fused`, `tinygemm`, `preshuffled`, `plain`) quantize with `set_inductor_config=False` and ask for
 the same flags through `inductor_config(device)` instead (quantizers/base.py), which harness/measure/fast_path.py
 applies to this run's compile only (tag `compile.inductor`).
@@ -55,13 +60,14 @@ matmuls where the CPU emulates bf16 (quantizers/dtype.py), which keeps prefill a
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from harness import env  # env.cpu_info looked up per call: tests patch it
 from harness.errors import ConfigError, QuantbenchError, Unsupported, one_of
 from quantizers import fake_ops, gpu_paths  # gpu_paths.device_capability looked up per call: tests patch it
-from quantizers.base import Quantizer
+from quantizers.base import Quantizer, linear_layers
 from quantizers.common import TimedLoad
 from quantizers.dtype import apply_prefill_matmul, native_16bit
 from quantizers.int8pack import INT8_UPCAST_ROWS, int8_head, to_int8pack
@@ -75,6 +81,36 @@ MSLK_KERNELS = ("preshuffled", "plain")
 MSLK_PIP = "mslk-cuda==1.1.0"  # the mslk release for torch 2.11 (the GPU image's); kernels for 8.0, 9.0a, 10.0a, 12.0a
 INT8_KERNELS = ("auto", "int8pack", "torchao", "fused")
 HEADS = ("keep", "int8")  # quantizer.head: the output projection left in 16 bits, or int8 per row (CPU)
+GROUPS = {"packed": (32, 64, 128), "preshuffled": (128, 256), "plain": (128, 256)}  # others: 32, 64, 128, 256
+
+
+def _up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def tinygemm_bits(shapes: list[tuple[int, int]], group_size: int) -> float:
+    """Bits per logical weight that tinygemm stores for linears of (out, in) `shapes`: torchao 0.18
+    (Int4TilePackedTo4dTensor.from_hp) pads in to a multiple of 1024 and out to one of 8, then keeps 4 bits per padded
+    weight plus a bf16 scale and zero point per group of the padded row."""
+    padded = sum(_up(o, 8) * _up(i, 1024) for o, i in shapes)
+    return (4.0 + 32.0 / group_size) * padded / sum(o * i for o, i in shapes)
+
+
+def group_problem(layers: list[tuple[str, str, int, int]], group_size: int, kernel: str) -> str:
+    """One line when `group_size` does not divide the input width of a targeted layer (name, class, in, out) of
+    `layers`, which torchao would leave unquantized without a word; "" when it divides every one."""
+    bad = Counter(w for _, _, w, _ in layers if w % group_size)
+    if not bad:
+        return ""
+    widths = sorted({w for _, _, w, _ in layers})
+    ok = [g for g in GROUPS.get(kernel, (32, 64, 128, 256)) if all(w % g == 0 for w in widths)]
+    example = next(n for n, _, w, _ in layers if w % group_size)
+    fix = (f"use quantizer.group_size={' or '.join(map(str, ok))}" if ok else
+           f"no group size kernel={kernel} takes divides all of them ({', '.join(map(str, widths))}); use "
+           + ("quantizer.kernel=tinygemm" if kernel in MSLK_KERNELS else "quantizer=bnb_nf4 or quantizer=quanto_int4"))
+    return (f"quantizer torchao_int4 group_size={group_size} does not divide the input width "
+            f"{', '.join(map(str, sorted(bad)))} of {sum(bad.values())} of the {len(layers)} targeted linear layers "
+            f"(e.g. {example}), which torchao would leave unquantized; {fix}")
 
 
 def head_device_check(head: str, device: str) -> None:
@@ -99,6 +135,7 @@ class InductorFlags:
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
         self._compiled = getattr(measure, "compile", False) is True
+        self.see_model(parts.get("model"))  # type: ignore[attr-defined]
 
     def compile_tags(self, device: str) -> dict[str, str]:
         flags = self.inductor_config(device)  # type: ignore[attr-defined]
@@ -226,6 +263,7 @@ class TorchAoInt4(InductorFlags, BF16OnCPU, TimedLoad, Quantizer):
         if any(errs):
             raise ConfigError([e for e in errs if e])
         self._device = "cpu"
+        self._shapes: list[tuple[int, int]] = []  # (out, in) of the targeted linears, once known: tinygemm's bound
 
     @property
     def name(self) -> str:
@@ -248,6 +286,8 @@ class TorchAoInt4(InductorFlags, BF16OnCPU, TimedLoad, Quantizer):
         # bf16 scale and zero point per group: 4 + 32/group_size, plus a margin for short rows
         if self._kernel(self._device) == "intx":
             return 9.5
+        if self._kernel(self._device) == "tinygemm" and self._shapes:  # padded: + a margin for biases
+            return max(5.0, tinygemm_bits(self._shapes, self.group_size) + 0.1)
         return 4.0 + 32.0 / self.group_size + 0.5 if self._kernel(self._device) == "packed" else 5.0
 
     @property
@@ -280,6 +320,10 @@ class TorchAoInt4(InductorFlags, BF16OnCPU, TimedLoad, Quantizer):
                 raise QuantbenchError(f"quantizer torchao_int4 kernel=packed needs torchao's CPU int4 layout "
                                       f"(torchao 0.18: {exc}); pip install torchao==0.18.0, or use "
                                       "quantizer.kernel=intx") from exc
+        layers = self.linears()  # from the config: before anything loads
+        if layers and (err := group_problem(layers, self.group_size, self._kernel(device))):
+            raise QuantbenchError(err)
+        self._shapes = [(o, i) for _, _, i, o in layers or ()]
 
     def mslk_preflight(self, device: str) -> None:
         """The mslk kernels: CUDA, the package, and for preshuffled a GPU its CUTLASS kernel is built for."""
@@ -295,6 +339,12 @@ class TorchAoInt4(InductorFlags, BF16OnCPU, TimedLoad, Quantizer):
         if kernel == "preshuffled" and cap is not None and cap < (9, 0):
             raise Unsupported(f"needs sm_90+: quantizer torchao_int4 kernel=preshuffled runs mslk's CUTLASS kernel "
                               f"for Hopper and newer, and this GPU is sm_{cap[0]}{cap[1]}; use quantizer.kernel=tinygemm")
+
+    def audit(self, model: Any) -> dict[str, Any]:
+        # tinygemm's bound follows the layers really loaded (padded shapes: tinygemm_bits)
+        self._shapes = [(int(m.out_features), int(m.in_features))
+                        for _, m in linear_layers(model, self.skip_modules)[1] if hasattr(m, "in_features")]
+        return super().audit(model)
 
     def inductor_config(self, device: str) -> dict[str, Any]:
         cuda = device.startswith("cuda") and self._kernel(device) in CUDA_INT4

@@ -317,3 +317,50 @@ def test_head_int8_is_refused_on_cuda_in_one_line(monkeypatch, bits):
         with pytest.raises(QuantbenchError, match=r"^quantizer.head=int8 is a CPU path .*; on cuda use "
                                                   r"quantizer.head=keep$"):
             cls(head="int8").preflight("cuda")
+
+
+SMOL_WIDTHS = ["model.hidden_size=576", "model.intermediate_size=1536", "model.num_attention_heads=9",
+               "model.num_key_value_heads=3"]  # SmolLM2-135M's widths, one layer
+
+
+def test_int4_falls_through_to_the_next_row_where_the_picks_group_size_cannot_take_the_model(compose, monkeypatch):
+    """The sm_90 pick forces group_size=128, which does not divide SmolLM2's 576: torchao would leave every layer
+    unquantized and the audit refuse after the whole load. The candidate's preflight refuses instead, from the
+    config, and the table's next row (tinygemm, groups of 64) runs; gpu_path_by says why."""
+    from harness.config import build
+
+    _gpu(monkeypatch, H100)
+    q = build(compose(FAST + ["quantizer=int4", "tracking.enabled=false", "model.num_hidden_layers=1"]
+                      + SMOL_WIDTHS)).quantizer
+    q.preflight("cuda")
+    assert (q.resolved.kernel, q.resolved.group_size) == ("tinygemm", 64)
+    q.resolved.load = lambda *a, **k: SimpleNamespace()
+    q.resolved.last_tags = {}
+    q.load(None, tokenizer=None, device="cuda", experiment=None)
+    assert q.last_tags["quantizer.gpu_path"] == "torchao_int4 kernel=tinygemm"
+    assert q.last_tags["quantizer.gpu_path_by"].startswith("gpu path table int4 @ sm_90 row 2 (sm_90); torchao_int4 "
+                                                          "kernel=preshuffled group_size=128 did not run (torchao_int4:"
+                                                          " quantizer torchao_int4 group_size=128 does not divide the "
+                                                          "input width 576")
+    assert "use quantizer.kernel=tinygemm" in q.last_tags["quantizer.gpu_path_by"]  # no mslk group size takes 576
+
+
+def test_tinygemm_bound_follows_the_padded_shapes(compose, monkeypatch):
+    """tinygemm pads in_features to a multiple of 1024 (out to 8): SmolLM2's 576-wide layers store 7.5 bits/weight
+    at groups of 64, over the flat bound of 5.0. The bound is computed from the padded shapes: the config's before
+    loading (the memory estimate reads it), the loaded layers' at the audit."""
+    from harness.config import build
+    from quantizers.torchao import tinygemm_bits
+
+    smol = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+    assert tinygemm_bits(smol, 64) == pytest.approx(7.5)
+    assert tinygemm_bits([(4096, 4096), (14336, 4096), (4096, 14336)], 64) == 4.5  # 1024-multiples: no padding
+    assert tinygemm_bits([(4, 1024)], 32) == 10.0  # out padded to 8
+    _gpu(monkeypatch, A100)
+    q = build(compose(FAST + ["quantizer=torchao_int4", "quantizer.kernel=tinygemm", "tracking.enabled=false",
+                              "model.num_hidden_layers=1"] + SMOL_WIDTHS)).quantizer
+    assert q.max_bits_per_weight == 5.0  # nothing known yet
+    q.preflight("cuda")
+    assert q.max_bits_per_weight == pytest.approx(7.6)
+    packed = TorchAoInt4(kernel="packed", group_size=64)
+    assert packed.max_bits_per_weight == 5.0  # the CPU layout stores no padding: its bound stays

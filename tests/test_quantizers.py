@@ -167,9 +167,81 @@ def test_audit_refuses_a_silent_noop(compose):
 def test_audit_refuses_bits_above_the_bound(compose):
     exp = _exp(compose, "torchao_int4", ["quantizer.kernel=intx"])
     model, _ = _load(exp)
-    exp.quantizer.kernel = "tinygemm"  # claims packed int4 (bound 5) while the weights sit in int8 bytes
+    exp.quantizer.kernel = "packed"  # claims packed int4 (bound 5) while the weights sit in int8 bytes
     with pytest.raises(QuantbenchError, match="bits/weight"):
         exp.quantizer.audit(model)
+
+
+def _tiny_gpt2():
+    """A GPT-2 (transformers Conv1D projections, weight stored (in, out)) small enough to build in milliseconds."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    torch.manual_seed(0)
+    return cfg, GPT2LMHeadModel(cfg).eval()
+
+
+def test_gpt2s_conv1d_layers_are_audited_and_refused_where_skipped(compose):
+    """Conv1D counts as a linear layer (the audit said "nan bits/weight" for fp32 before); a quantizer that leaves
+    them float is named with the layer class; torchao and quanto, which convert nn.Linear only, refuse a GPT-2 in
+    preflight, before anything loads; a model without linear layers gets one line, not a nan comparison."""
+    from types import SimpleNamespace
+
+    from quantizers.base import Quantizer
+    from quantizers.torchao import TorchAoInt8
+
+    cfg, model = _tiny_gpt2()
+    audit = _exp(compose, "fp32").quantizer.audit(model)
+    assert audit["linear_layers"] == 8 and audit["bits_per_weight"] == 32.0  # 4 Conv1D per block, biases included
+    assert audit["params"] == sum(p.numel() for p in model.parameters())
+    assert "transformers.Conv1D[Parameter]" in audit["kernel_path"]
+    with pytest.raises(QuantbenchError, match=r"left 8 of 8 targeted linear layers unquantized \(8 x "
+                                              r"transformers.Conv1D\[Parameter\]"):
+        TorchAoInt8().audit(model)
+    for name in ("torchao_int8", "torchao_int4", "quanto_int8"):
+        q = _exp(compose, name).quantizer
+        q.see_model(SimpleNamespace(hf_config=lambda: cfg))
+        with pytest.raises(QuantbenchError, match=r"quantizes nn.Linear layers only, and 8 of this model's 8 linear "
+                                                  r"layers are transformers Conv1D.*use quantizer=bnb_int8"):
+            q.preflight("cpu")
+    with pytest.raises(QuantbenchError, match=r"found no linear layers to audit \(module classes: Embedding\)"):
+        Quantizer().audit(torch.nn.Sequential(torch.nn.Embedding(4, 8)))
+
+
+def test_a_group_size_that_does_not_divide_a_width_is_refused_in_preflight(compose):
+    """torchao skips an int4 layer whose input width the group size does not divide; the audit then said only "left
+    12 of 14 unquantized" after the whole load. Preflight names the width and the group sizes that would do."""
+    exp = _exp(compose, "torchao_int4", ["quantizer.group_size=128", "model.hidden_size=192"])
+    with pytest.raises(QuantbenchError, match=r"group_size=128 does not divide the input width 192 of 12 of the 14 "
+                                              r"targeted linear layers \(e.g. model.layers.0.self_attn.q_proj\).*"
+                                              r"use quantizer.group_size=32 or 64$"):
+        exp.quantizer.preflight("cpu")
+    _exp(compose, "torchao_int4", ["quantizer.group_size=64", "model.hidden_size=192"]).quantizer.preflight("cpu")
+
+
+def test_int8_head_rounds_within_half_a_step_of_its_stored_scale():
+    """The head's scale is stored in bf16: quantizing with the fp32 one put values up to 0.79 steps off."""
+    from quantizers.int8pack import int8_head
+
+    class Head(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+            self.head.weight.data.copy_(w)
+
+        def get_output_embeddings(self):
+            return self.head
+
+        def set_output_embeddings(self, m):
+            self.head = m
+
+    torch.manual_seed(0)
+    w = (torch.randn(256, 512) * 0.05).to(torch.bfloat16)
+    m = Head(w)
+    int8_head(m, 0)
+    deq = m.head.qdata.float() * m.head.scale.float()[:, None]
+    step = w.float().abs().amax(1, keepdim=True) / 127
+    assert ((deq - w.float()).abs() / step).max().item() <= 0.5 + 1 / 128
 
 
 # --- what cannot run here: one clear line, before any model loads --------------------------------------
