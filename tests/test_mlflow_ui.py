@@ -5,6 +5,7 @@ What a person must see first is the runs table with the sweep's parent run and i
 GenAI overview ("Traces 0, No data available") that a plain experiment link opens (harness/records/ui.py says why).
 Needs Debian's chromium + chromium-driver and the selenium package (scripts/setup.sh --all installs them).
 The screenshot is saved to results/ui/mlflow_sweep.png (and the test's tmp folder) for a person to look at.
+Then a store it cannot read: `--links` exits 2 in one line within seconds, and the UI still starts without links.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import warm
 from conftest import ROOT
 
-from harness.records import mlflow_runs
+from harness.records import mlflow_runs, ui
 from harness.sweep.settings import FAULT_ENV, STATE_ENV
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -134,3 +137,44 @@ def test_make_ui_link_opens_the_sweep_on_its_runs_table_with_child_runs_and_a_me
             driver.quit()
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
+
+
+class StoreDown(Exception):
+    """What SQLAlchemy raises for a database store that refuses connections: a message of several lines."""
+
+
+def _store_down(store_uri, base_url):
+    raise StoreDown('(psycopg2.OperationalError) connection to server at "127.0.0.1", port 9 failed: Connection '
+                    "refused\n\tIs the server running on that host and accepting TCP/IP connections?")
+
+
+def test_links_from_a_store_that_cannot_be_read_are_one_error_line_and_exit_2(monkeypatch, capsys):
+    """experiment_links() ran unguarded: a down database store cost MLflow's ~100 s of retries, then a traceback."""
+    monkeypatch.setattr(ui, "experiment_links", _store_down)
+    monkeypatch.setattr(ui.os, "execve", lambda *a: pytest.fail("--links must not start the UI"))
+    assert ui.main(["--backend-store-uri", "postgresql://qb@127.0.0.1:9/x", "--links"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: cannot read postgresql://qb@127.0.0.1:9/x: StoreDown: ") and err.count("\n") == 1
+    assert "Connection refused" in err and not out
+
+
+def test_the_ui_starts_without_links_when_the_store_cannot_be_read_for_them(monkeypatch, capsys):
+    started = []
+    monkeypatch.setattr(ui, "experiment_links", _store_down)
+    monkeypatch.setattr(ui.os, "execve", lambda exe, cmd, env: started.append(cmd))
+    assert ui.main(["--backend-store-uri", "postgresql://qb@127.0.0.1:9/x", "--port", "5099"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("warning: cannot read postgresql://qb@127.0.0.1:9/x: StoreDown: ") and err.count("\n") == 1
+    assert "starting the UI without the links" in err and "no runs recorded yet" not in out
+    assert started and started[0][started[0].index("--port") + 1] == "5099"
+
+
+def test_links_from_a_down_database_store_fail_in_seconds_not_after_mlflows_retries():
+    """MLflow makes a database store's engine in up to 10 attempts (~100 s of sleeps): one attempt here."""
+    pytest.importorskip("psycopg2")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "harness.records.ui", "--backend-store-uri",
+                          f"postgresql://qb@127.0.0.1:{free_port()}/x", "--links"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("error: cannot read postgresql://qb@127.0.0.1:"), out.stderr
+    assert out.stderr.count("\n") == 1 and time.monotonic() - t0 < 30

@@ -25,6 +25,7 @@ from conftest import ROOT
 
 from harness.cli import precheck
 from harness.config import build, to_plain
+from harness.errors import ConfigError
 from harness.interrupts import Interrupted
 from harness.load import lengths, report
 from harness.load import run as run_module
@@ -259,6 +260,19 @@ def test_a_sweep_whose_first_points_answer_nothing_fails_in_one_line_keeping_the
     assert all(c["metrics"]["unfinished_requests"] == 2 for c in run.children)
     with pytest.raises(ValueError, match="must be > 0"):
         schedule("poisson", 0.0, 3, seed=0)
+
+
+def test_a_rate_that_answered_nothing_is_a_failed_point_not_a_capacity_below_the_lowest_rate():
+    """Every request unfinished (timed out, or its thread died without an error): the point was recorded OK and the
+    capacity 0, 'below lowest rate', as if the target had been measured and found too slow."""
+    from harness.errors import QuantbenchError
+
+    run = _bare_run([], profile="rates", rates=[5.0], warmup_requests=0, requests=2, request_timeout_s=0.2)
+    run.target, run.kind = SilentTarget(), "silent"
+    with pytest.raises(QuantbenchError, match=r"^load point 5/s: none of 2 requests was answered \(0 failed, 2 "
+                                              r"unfinished within load.request_timeout_s=0.2 s\)"):
+        run.point("5/s", [Request(i, [1, 2, 3], 2) for i in range(2)], 5.0)
+    assert run.children[0]["status"] == "FAILED" and run.children[0]["metrics"]["unfinished_requests"] == 2
 
 
 def test_the_all_at_once_point_has_no_send_lag_and_the_run_takes_its_lag_from_offered_rates():
@@ -499,6 +513,18 @@ def test_no_server_outlives_a_sweep_cell_killed_by_its_timeout(compose, tmp_path
     ("load.lengths=fixed:0/4", "load.lengths='fixed:0/4': lengths must be >= 1"),
     ("load.arrival=weibull", "load.arrival='weibull' is not allowed"),
     ("load.arrival=concurrency load.profile=sweep", "load.profile=sweep offers rates, and load.arrival=concurrency"),
+    # a socket timeout of inf raised OverflowError in every request; NaN passed `> 0` too
+    ("load.request_timeout_s=inf", "load.request_timeout_s=inf must be a finite number of seconds <= 1000000"),
+    ("load.request_timeout_s=nan", "load.request_timeout_s=nan must be a finite number of seconds"),
+    ("load.request_timeout_s=2e6", "load.request_timeout_s=2000000.0 must be a finite number of seconds"),
+    # settings the profile or arrival does not read were accepted, recorded as params, and ignored
+    ("load.arrival=concurrency", "load.rates=[1.0] would not be read; drop load.rates"),
+    ("load.profile=sweep", "load.profile=sweep picks its own rates: load.rates=[1.0] would not be read; drop "
+                           "load.rates"),
+    ("load.burstiness=0.2", "load.burstiness=0.2 is read by load.arrival=gamma only (this run: load.arrival=poisson); "
+                            "drop it"),
+    ("load.concurrency=16", "load.concurrency=16 is read by load.arrival=concurrency only"),
+    ("load.sweep_rates=6", "load.sweep_rates=6 is read by load.profile=sweep only; drop it"),
 ])
 def test_a_bad_load_value_is_refused_in_one_line_before_anything_starts(override, says):
     problem = precheck(["load.profile=rates", "load.rates=[1]", *override.split()])
@@ -539,6 +565,43 @@ def test_a_load_run_tags_what_its_target_ran_not_the_strategy_it_does_not_use(co
 
 def test_a_concurrency_needs_no_rates():
     assert precheck(["load.profile=rates", "load.arrival=concurrency"]) is None
+
+
+def test_settings_each_arrival_and_profile_reads_are_accepted():
+    for override in (["load.profile=rates", "load.arrival=concurrency", "load.concurrency=16"],
+                     ["load.profile=rates", "load.rates=[1]", "load.arrival=gamma", "load.burstiness=0.2"],
+                     ["load.profile=sweep", "load.sweep_rates=6", "load.request_timeout_s=1e6"]):
+        assert precheck(override) is None, override
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000/v1?api_key=sk-live-SECRET",
+                                 "http://127.0.0.1:8000/v1?token=sk-live-SECRET", "http://sk-live-SECRET@127.0.0.1:8000",
+                                 "http://127.0.0.1:8000/v1#sk-live-SECRET"])
+def test_a_load_url_with_a_token_is_refused_without_showing_it(url):
+    """A token in the query or the user info passed the password check, became an MLflow param, and was not sent
+    (HttpTarget sends to the URL's path only): refused, naming the part, never its value."""
+    problem = precheck(["load.profile=rates", "load.rates=[1]", f"load.url='{url}'"])
+    assert problem is not None and problem.startswith("load.url holds ") and "\n" not in problem
+    assert "SECRET" not in problem and "would record as a param" in problem
+    with pytest.raises(ConfigError) as info:
+        LoadConfig(profile="rates", rates=[1.0], url=url)
+    assert "SECRET" not in str(info.value)
+    assert LoadConfig(profile="rates", rates=[1.0], url="http://127.0.0.1:8000/v1").url  # the base URL alone is fine
+
+
+@pytest.mark.parametrize(("line", "says"), [("5", "line 2 of bad.jsonl is not a JSON object"),
+                                            ("null", "line 2 of bad.jsonl is not a JSON object"),
+                                            ("[1, 2]", "line 2 of bad.jsonl is not a JSON object"),
+                                            ("{oops", "line 2 of bad.jsonl is not JSON"),
+                                            ('{"prompt_tokens": true, "output_tokens": 3}',
+                                             "line 2 of bad.jsonl: prompt_tokens and output_tokens must be integers")])
+def test_a_lengths_file_line_that_is_not_an_object_of_integers_is_named(tmp_path, line, says):
+    """A number or null raised a bare TypeError ("load: 'int' object is not iterable", no file, no line), and JSON
+    true was taken as the length 1."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt_tokens": 4, "output_tokens": 2}\n' + line + "\n")
+    problem = lengths.spec_problem(str(path))
+    assert problem is not None and says in problem and "\n" not in problem
 
 
 def test_the_cli_refuses_a_bad_load_value_with_exit_2_and_starts_no_server(tmp_path):

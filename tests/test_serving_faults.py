@@ -66,8 +66,8 @@ def test_a_request_that_never_ends_expires_at_its_timeout_and_is_cancelled_in_op
 
 class Streamer(BaseHTTPRequestHandler):
     """/v1/completions, streamed. The prompt's first id picks the behaviour: 0 an empty answer, 1 a stream cut
-    before [DONE], 2 half the asked tokens then [DONE], 3 a slow full answer (0.2 s per token), else a full answer
-    at once. Counts the streams in flight and keeps each request's body."""
+    before [DONE], 2 half the asked tokens then [DONE], 3 a slow full answer (0.2 s per token), 5 a chunk that is
+    JSON but not an object, else a full answer at once. Counts the streams in flight and keeps each request's body."""
 
     protocol_version = "HTTP/1.0"
     active = 0
@@ -91,6 +91,8 @@ class Streamer(BaseHTTPRequestHandler):
         try:
             if kind == 0:
                 self._send(json.dumps({"choices": [{"text": ""}], "usage": {"completion_tokens": 0}}))
+            elif kind == 5:
+                self._send('["x"]')
             else:
                 for _ in range(n // 2 if kind == 2 else n):
                     time.sleep(0.2 if kind == 3 else 0.0)
@@ -124,6 +126,19 @@ def test_every_request_is_ok_failed_or_unfinished_an_empty_or_cut_stream_fails_a
     m, _ = summarize(records, 1.0, {}, 50.0, end)
     assert m["requests_ok"] + m["failed_requests"] + m["unfinished_requests"] == m["requests_sent"] == 5
     assert (m["requests_ok"], m["failed_requests"], m["short_outputs"]) == (3, 2, 1)
+
+
+def test_a_request_that_raises_anything_is_a_failed_request_with_its_error_not_an_unfinished_one(server):
+    """A chunk that is JSON but no object (AttributeError), or a socket timeout the platform cannot hold (inf:
+    OverflowError), killed the request's thread with no error: counted unfinished, as if it had timed out."""
+    records, end = drive(HttpTarget(server, tokenizer=None, timeout_s=5.0), [Request(0, [5, 7], 4)], [0.0], 5.0)
+    assert records[0].error == 'stream chunk is not a JSON object: ["x"]' and not records[0].finished
+    target = HttpTarget(server, tokenizer=None, timeout_s=math.inf)
+    (inf_records, inf_end), took = _drive_in_thread(target, 2, 5.0, 0)
+    assert all(r.error.startswith("OverflowError: ") for r in inf_records) and took < 3.0
+    for recs, e, n in ((records, end, 1), (inf_records, inf_end, 2)):
+        m, _ = summarize(recs, 1.0, {}, 50.0, e)
+        assert (m["failed_requests"], m["unfinished_requests"], m["requests_ok"]) == (n, 0, 0)
 
 
 def test_extra_body_fields_reach_the_server(server):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 from harness.errors import ConfigError, one_of
 from harness.load.lengths import spec_problem
@@ -15,6 +16,7 @@ from harness.schema import COMPILE_ONLY, Validated, no_password, positive, set_a
 
 PROFILES = ("off", "rates", "sweep")  # off: an ordinary run; rates: load.rates; sweep: guidellm's sweep
 ARRIVALS = ("poisson", "gamma", "constant", "concurrency")
+MAX_TIMEOUT_S = 1e6  # load.request_timeout_s above this (~12 days) is a typo, and inf cannot be a socket timeout
 
 
 @dataclass
@@ -99,17 +101,61 @@ class LoadConfig(Validated):
         positive(p, "load.burstiness", self.burstiness)
         positive(p, "load.max_send_lag_ms", self.max_send_lag_ms)
         positive(p, "load.request_timeout_s", self.request_timeout_s)
+        t = self.request_timeout_s  # a socket's timeout must fit the platform's clock: inf raised in every request
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and not (t <= MAX_TIMEOUT_S):  # NaN, inf, huge
+            p.append(f"load.request_timeout_s={t!r} must be a finite number of seconds <= {MAX_TIMEOUT_S:.0f} (a "
+                     "request unanswered that long after its send counts as unfinished)")
         positive(p, "load.warmup_requests", self.warmup_requests, allow_zero=True)
         positive(p, "load.prompt_seed", self.prompt_seed, allow_zero=True)
         if not isinstance(self.goodput_share, (int, float)) or not 0 < self.goodput_share <= 1:
             p.append(f"load.goodput_share={self.goodput_share!r} must be in (0, 1]")
         if self.url and not str(self.url).startswith(("http://", "https://")):
             p.append(f"load.url={self.url!r} must be an http:// or https:// base URL, e.g. http://127.0.0.1:8080")
+        before = len(p)
         no_password(p, "load.url", self.url or "", "point it at an endpoint that needs no login (load runs send no "
                                                     "credentials; a local proxy can add them)")
+        if len(p) == before and (part := url_extra(str(self.url or ""))):  # the line names the part, not its value
+            p.append(f"load.url holds {part}, which requests do not send (only scheme, host, port and path) and MLflow "
+                     "would record as a param; give the base URL alone, e.g. http://127.0.0.1:8080/v1, at an endpoint "
+                     "that needs no login (a local proxy can add credentials)")
+        p += self._unread()
         if (err := spec_problem(str(self.lengths))):
             p.append(err)
         return p
+
+    def _unread(self) -> list[str]:
+        """Settings this profile and arrival do not read, set away from their defaults: one line each, naming the
+        setting to drop (they were accepted, recorded as params, and ignored)."""
+        if not self.enabled:
+            return []
+        default = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+        p: list[str] = []
+        rates = list(self.rates or [])
+        if rates and self.arrival == "concurrency":
+            p.append(f"load.arrival=concurrency keeps load.concurrency={self.concurrency} requests in flight and "
+                     f"offers no rate: load.rates={rates} would not be read; drop load.rates")
+        elif rates and self.profile == "sweep":
+            p.append(f"load.profile=sweep picks its own rates: load.rates={rates} would not be read; drop load.rates, "
+                     "or use load.profile=rates")
+        if self.profile == "rates" and self.sweep_rates != default["sweep_rates"]:
+            p.append(f"load.sweep_rates={self.sweep_rates!r} is read by load.profile=sweep only; drop it")
+        if self.burstiness != default["burstiness"] and self.arrival != "gamma":
+            p.append(f"load.burstiness={self.burstiness!r} is read by load.arrival=gamma only (this run: "
+                     f"load.arrival={self.arrival}); drop it, or set load.arrival=gamma")
+        if self.concurrency != default["concurrency"] and self.arrival != "concurrency":
+            p.append(f"load.concurrency={self.concurrency!r} is read by load.arrival=concurrency only (this run: "
+                     f"load.arrival={self.arrival}); drop it, or set load.arrival=concurrency")
+        return p
+
+
+def url_extra(url: str) -> str:
+    """The part of load.url that HttpTarget would drop (user info, a query, a fragment), named; '' for none."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # not a URI: no_password says so
+        return ""
+    return ("user info (the part before @)" if "@" in parts.netloc else "a query string (?...)" if parts.query
+            else "a fragment (#...)" if parts.fragment else "")
 
 
 # measure settings a load run does not read, and the load option that governs there instead

@@ -63,8 +63,9 @@ class HttpTarget:
             body["model"] = self.api_model
         text, usage, ended = [], None, False
         key = (request.tag, request.index)
-        conn = self._connection()
+        conn = None
         try:
+            conn = self._connection()
             record.sent = record.now()  # when the bytes leave, the thread's start included in the lag
             conn.connect()
             with self.lock:  # a cancel that came while connecting found no socket to shut down
@@ -87,6 +88,9 @@ class HttpTarget:
                     ended = True
                     break
                 chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    record.error = f"stream chunk is not a JSON object: {data[:200]}"
+                    return
                 if chunk.get("error"):
                     record.error = f"server error: {str(chunk['error'])[:300]}"
                     return
@@ -106,10 +110,12 @@ class HttpTarget:
             else:  # no usage from this server: count the streamed text with the run's tokenizer
                 record.output_tokens = len(self.tokenizer("".join(text), add_special_tokens=False)["input_ids"])
             record.finished = True
-        except (OSError, http.client.HTTPException, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is this request's error: a thread that died without
+            # one left its request "unfinished" (as if it had timed out), and its rate an OK point with nothing answered
             record.error = f"{type(exc).__name__}: {exc}"[:300]
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
             with self.lock:
                 self.socks.pop(key, None)
                 self.cancelled.discard(key)

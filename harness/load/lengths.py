@@ -38,14 +38,20 @@ def read_jsonl(path: Path) -> list[tuple[int, int]]:
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"line {i} of {path.name} is not JSON ({exc.msg})") from exc
+        if not isinstance(row, dict):  # a number or null raised a bare TypeError ("'int' object is not iterable")
+            raise ValueError(f"line {i} of {path.name} is not a JSON object; want "
+                             '{"prompt_tokens": P, "output_tokens": O}')
         if set(row) == {"_comment"}:
             continue
         if set(row) != {"prompt_tokens", "output_tokens"}:
-            raise ValueError(f"line {i} has keys {sorted(row)}; want prompt_tokens and output_tokens")
+            raise ValueError(f"line {i} of {path.name} has keys {sorted(row)}; want prompt_tokens and output_tokens")
         p, o = row["prompt_tokens"], row["output_tokens"]
-        if not all(isinstance(v, int) and v >= 1 for v in (p, o)):
-            raise ValueError(f"line {i}: prompt_tokens and output_tokens must be integers >= 1")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (p, o)):  # JSON true is no 1
+            raise ValueError(f"line {i} of {path.name}: prompt_tokens and output_tokens must be integers >= 1")
         pairs.append((p, o))
     if not pairs:
         raise ValueError("no lengths in it")

@@ -43,6 +43,7 @@ from harness.run.hooks import Outcome
 from harness.run.llama_cpp import convert, linear_bits, system_info
 
 log = logging.getLogger("quantbench")
+SWEEP_ENDS = ("synchronous", "throughput")  # the sweep's first two points, which set its rates
 
 
 class LoadFailed(QuantbenchError):
@@ -197,6 +198,14 @@ class LoadRun:
         if not died and records and all(r.error for r in records):  # nothing was served: not a measurement
             died = (f"load point {label}: all {len(records)} requests failed (first: {records[0].error}); is the "
                     "server at load.url up and serving this model?")
+        elif not died and records and not any(r.ok for r in records) and label not in SWEEP_ENDS:
+            # none answered (timed out, or failed and timed out): the target is stuck or broken, and such a rate is no
+            # capacity point ("below lowest rate"); the sweep's two ends are judged together in rates(), both kept
+            first = next((f"; first error: {r.error}" for r in records if r.error), "")
+            died = (f"load point {label}: none of {len(records)} requests was answered "
+                    f"({int(metrics['failed_requests'])} failed, {int(metrics['unfinished_requests'])} unfinished "
+                    f"within load.request_timeout_s={cfg.request_timeout_s:g} s{first}); check the target, or raise "
+                    "load.request_timeout_s")
         tags.update({"load.point": label, "load.target": self.kind})
         if concurrency:
             metrics["concurrency"] = float(concurrency)
@@ -236,7 +245,7 @@ class LoadRun:
 
     def conclude(self) -> None:
         """The parent's metrics: capacity under the SLO and the latencies at that rate."""
-        pts = [c for c in self.children if c["tags"]["load.point"] not in ("synchronous", "throughput")
+        pts = [c for c in self.children if c["tags"]["load.point"] not in SWEEP_ENDS
                and not math.isnan(c["metrics"]["offered_rps"])]
         passes = [(c["metrics"]["offered_rps"], c["metrics"]["goodput_rps"]) for c in pts]
         cap = capacity(passes, self.cfg.goodput_share)

@@ -16,7 +16,7 @@ import os
 import sys
 
 from harness.config import TrackingConfig
-from harness.records.mlflow_runs import runs_url
+from harness.records.mlflow_runs import bounded_db, runs_url
 from harness.records.server import SERVER_ENV, backend_uri_for
 from harness.records.sqlite_seed import missing_store
 from harness.secret_uri import has_password, redact
@@ -60,14 +60,24 @@ def main(argv: list[str] | None = None) -> int:
               "every user; give the URI without it and put the password in ~/.pgpass (or PGPASSFILE)", file=sys.stderr)
         return 2
     base = f"http://{HOST}:{args.port}"
-    links = experiment_links(args.backend_store_uri, base)
+    try:  # one attempt at a database store, not MLflow's ~100 s of retries before a traceback
+        with bounded_db(TrackingConfig(uri=args.backend_store_uri)):
+            links = experiment_links(args.backend_store_uri, base)
+    except Exception as exc:  # noqa: BLE001 - a store that cannot be read (down, refused, not a store): one line
+        why = f"cannot read {redact(args.backend_store_uri)}: {type(exc).__name__}: {str(exc).strip()}"
+        why = " ".join(why.split("\n", 1)[0].split())[:300]
+        if args.links:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
+        print(f"warning: {why}; starting the UI without the links", file=sys.stderr)
+        links = None
     print(f"MLflow UI on {base} over {args.backend_store_uri}")
     if links:
         width = max(len(name) for name, _ in links)
         print("the runs of each experiment (a plain experiment link opens MLflow's GenAI overview):")
         for name, url in links:
             print(f"  {name:<{width}}  {url}")
-    else:
+    elif links is not None:
         print("no runs recorded yet (python run.py records one); in the UI pick 'Model training' at the top "
               "of the sidebar to see runs")
     sys.stdout.flush()
