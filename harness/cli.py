@@ -7,22 +7,32 @@ and exit 2 before any model loads, instead of Hydra's multi-line report (exit 1)
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import os
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    GrammarParseError,
+    InterpolationResolutionError,
+    ValidationError,
+)
 
 from harness.config import Experiment, build, register_configs
-from harness.errors import QuantbenchError, Unsupported
+from harness.errors import ConfigError, QuantbenchError, Unsupported
 from harness.interrupts import sigterm_interrupts
 from harness.measure import memory
 from harness.options import CONF_DIR as CONF
@@ -35,13 +45,14 @@ from harness.sweep.settings import SweepSettings, planned_cells, settings_from
 
 HYDRA_RUN_FLAGS = ("-m", "--multirun")  # other Hydra flags (--help, --cfg, --info, -c ...) skip the precheck
 GROUPS = ("model", "quantizer", "strategy", "engine")
+JOB_NAME = "run"  # hydra.job.name of run.py's jobs (Hydra names a job after its script)
 
 
 def _compose(overrides: list[str], hydra: bool = False) -> DictConfig:
     register_configs()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name=JOB_NAME):
             return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
     finally:
         GlobalHydra.instance().clear()
@@ -122,14 +133,15 @@ def precheck(argv: list[str]) -> str | None:
     cores = launcher_cores(cfg.hydra.launcher) if multirun else None
     built: list[Experiment] = []
     fixed = {o.split("=", 1)[0].lstrip("+~") for o in base}
-    for cell in cells:
-        if (problem := validate(cell, cores, built)):
+    for num, cell in enumerate(cells):
+        if (problem := validate(cell, cores, built, num if multirun else None)):
             # what the cell sets beyond the command line's fixed overrides, by key (Hydra hands those back re-escaped:
             # tracking.uri=sqlite\:///... is the command line's sqlite:///..., not a value of the cell's own)
             label = ",".join(o for o in cell if o.split("=", 1)[0].lstrip("+~") not in fixed) or "default"
             return f"sweep cell {label}: {problem}" if len(cells) > 1 else problem
-    try:  # the base config's settings (a sweep over sweep.timeout_s is checked with its default), in a single run too
-        settings = sweep_settings(cfg)
+    try:  # the base config's settings (each cell's were checked above), in a single run too
+        with as_job(cfg, 0 if multirun else None) as task:
+            settings = sweep_settings(task)
     except QuantbenchError as exc:
         return str(exc)
     # a baseline typed on this command line; an experiment's own (auto16, bf16) stays valid when the command narrows
@@ -192,15 +204,50 @@ def launcher_cores(launcher: DictConfig) -> int | None:
     return cpus if isinstance(cpus, int) and cpus > 0 else 0
 
 
-def validate(overrides: list[str], cores: int | None = None, built: list[Experiment] | None = None) -> str | None:
-    """Compose, build and preflight one run's config (nothing loads); its problem as one line, or None.
-    `cores`: those the run will have (harness.config.build); `built` gets the experiment when it is valid."""
+@contextlib.contextmanager
+def as_job(cfg: DictConfig, num: int | None = None) -> Iterator[DictConfig]:
+    """`cfg` (composed with its hydra node) as its job will read it: the task config, with HydraConfig set, so
+    `${hydra:job.name}` in an override resolves as in the run, with the values Hydra sets only when the job starts
+    (the output dir; in a multirun the job's id and number, `num`) filled in as it will. An interpolation that does
+    not resolve (`${oops}`, `${oc.env:UNSET}`) is a one-line ConfigError naming its key, not a traceback."""
+    hydra, previous = cfg.hydra, HydraConfig.instance().cfg
+    with read_write(hydra), open_dict(hydra):
+        for key, value in (("id", str(num)), ("num", num)) if num is not None else ():  # a single run has none
+            if OmegaConf.is_missing(hydra.job, key):
+                hydra.job[key] = value
+        try:  # Hydra's run_job: the run dir, or the sweep dir and the cell's subdir
+            where = [hydra.run.dir] if num is None else [hydra.sweep.dir, hydra.sweep.subdir]
+            hydra.runtime.output_dir = os.path.abspath(os.path.join(*map(str, where)))
+        except (InterpolationResolutionError, GrammarParseError):
+            pass  # left unset: only an override that reads it is refused, naming its own key
+    task = copy.deepcopy(cfg)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    HydraConfig.instance().set_config(cfg)
     try:
-        cfg = _compose(overrides)
+        yield task
+    except (InterpolationResolutionError, GrammarParseError) as exc:
+        first = (getattr(exc, "msg", None) or str(exc) or type(exc).__name__).splitlines()[0]
+        raise ConfigError([f"{getattr(exc, 'full_key', None) or 'an override'} does not resolve ({first}); give "
+                           "a plain value, or an interpolation that resolves"]) from None
+    finally:
+        HydraConfig.instance().cfg = previous
+
+
+def validate(overrides: list[str], cores: int | None = None, built: list[Experiment] | None = None,
+             num: int | None = None) -> str | None:
+    """Compose, build and preflight one run's config (nothing loads); its problem as one line, or None.
+    `cores`: those the run will have (harness.config.build); `built` gets the experiment when it is valid; `num`:
+    the cell's number in a multirun (None: a single run). Its `sweep:` section is checked too: a swept
+    sweep.start_method=spawn,fork is refused before the first cell runs, not at its fork cell."""
+    try:
+        cfg = _compose(overrides, hydra=True)
     except Exception as exc:  # noqa: BLE001
         return compose_problem(exc, overrides)
     try:
-        exp = build(cfg, cores)
+        with as_job(cfg, num) as task:
+            exp = build(task, cores)
+            sweep_settings(task)
         preflight(exp)
     except QuantbenchError as exc:
         return str(exc)

@@ -41,8 +41,8 @@ from harness.schema import (
     GEMV_KERNELS,
     HUGEPAGES,
     Validated,
-    no_password,
     positive,
+    store_uri,
     unchecked,
 )
 from harness.sweep import launchers
@@ -208,7 +208,7 @@ class TrackingConfig(Validated):
     """Where results go: a JSON per run (always) and MLflow (unless disabled)."""
 
     enabled: bool = True
-    uri: str = ""  # empty = sqlite store under results/ ; any MLflow URI otherwise
+    uri: str = ""  # empty = sqlite store under results/ ; else sqlite:///, postgresql://, http(s):// ...
     experiment: str = "quantbench"
     results_dir: str = "results"
     run_name: str = ""  # empty = derived from model/quantizer/strategy
@@ -223,8 +223,7 @@ class TrackingConfig(Validated):
         positive(p, "tracking.timeout_s", self.timeout_s)
         if not self.experiment:
             p.append("tracking.experiment must not be empty")
-        no_password(p, "tracking.uri", self.uri, "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (an "
-                                                 "MLflow server), or use ~/.pgpass or PGPASSFILE (a database)")
+        store_uri(p, "tracking.uri", self.uri)  # a scheme MLflow opens, and no password: refused before the run
         return p
 
     def resolved_uri(self) -> str:

@@ -8,6 +8,9 @@ check their own fields: the arrows point one way, config -> workloads -> models 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import math
+import os
 import urllib.parse
 from typing import Any
 
@@ -52,11 +55,40 @@ def no_password(problems: list[str], name: str, uri: str, fix: str) -> None:
                         f"params would show; give the URI without it and {fix}")
 
 
+# tracking.uri schemes MLflow opens as a store (mlflow/tracking/_tracking_service/utils.py; a database's with its
+# SQLAlchemy driver too: postgresql+psycopg2://). A file store (a bare path, file:) MLflow 3 refuses when it logs,
+# after the whole run, unless MLFLOW_ALLOW_FILE_STORE=true; a plugin adds its scheme as an entry point.
+STORE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
+
+
+def store_uri(problems: list[str], name: str, uri: str) -> None:
+    """Append to `problems` why `uri` (an MLflow tracking URI; empty = the default store) is not one MLflow can open,
+    or holds a password (`no_password`); refused at config time, not when the finished run logs."""
+    no_password(problems, name, uri, "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (an MLflow server), "
+                                     "or use ~/.pgpass or PGPASSFILE (a database)")
+    try:
+        scheme = urllib.parse.urlsplit(str(uri)).scheme.lower().split("+", 1)[0]
+    except ValueError:  # said by no_password
+        return
+    if not uri or uri == "databricks" or scheme in STORE_SCHEMES:  # databricks alone: the default profile
+        return
+    fix = "use sqlite:///<path>/mlflow.db, or an MLflow server's http(s)://<host>:<port>"
+    if scheme in ("", "file"):
+        if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() not in ("true", "1"):
+            problems.append(f"{name}={redact(uri)} is a file store, which MLflow refuses to log to (maintenance mode) "
+                            f"unless MLFLOW_ALLOW_FILE_STORE=true; {fix}")
+    elif scheme not in {e.name for e in importlib.metadata.entry_points(group="mlflow.tracking_store")}:
+        problems.append(f"{name}={redact(uri)}: MLflow has no store for the scheme {scheme}:// (it takes "
+                        f"{', '.join(STORE_SCHEMES)}, or a file store); {fix}")
+
+
 def positive(problems: list[str], name: str, value: int | float, allow_zero: bool = False) -> None:
-    """Append to `problems` why `value` (of field `name`) is not a number > 0 (>= 0 with `allow_zero`)."""
+    """Append to `problems` why `value` (of field `name`) is not a finite number > 0 (>= 0 with `allow_zero`)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as typed: true, not True
         problems.append(f"{name}={shown} must be a number")
+    elif not math.isfinite(value):  # NaN fails every comparison: a nan timeout never fired
+        problems.append(f"{name}={value!r} must be a finite number {'>= 0' if allow_zero else '> 0'}")
     elif value < 0 or (value == 0 and not allow_zero):
         problems.append(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
 

@@ -243,3 +243,49 @@ def test_wikitext_is_found_beside_the_checkout_or_where_the_env_says(tmp_path, m
     monkeypatch.setenv("QUANTBENCH_WIKITEXT", str(tmp_path / "missing"))
     found = wikitext_dir()  # a missing override falls through to the checkout's ../shared (or its origin's)
     assert found != tmp_path / "missing" and found.parts[-3:] == ("shared", "data", "wikitext-2")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_number_is_refused_where_a_positive_one_is_asked(value):
+    """NaN passed `positive()` (it fails every comparison): sweep.timeout_s=nan silently disabled the cell
+    timeout, and inf crashed the launcher's limit check in math.floor."""
+    from harness.cli import precheck
+    from harness.schema import positive
+    from harness.sweep.settings import SweepSettings
+
+    p: list[str] = []
+    positive(p, "x", float(value))
+    positive(p, "y", float(value), allow_zero=True)
+    assert p == [f"x={float(value)!r} must be a finite number > 0", f"y={float(value)!r} must be a finite number >= 0"]
+    with pytest.raises(ConfigError, match=f"sweep.timeout_s={value} must be a finite number > 0"):
+        SweepSettings(timeout_s=float(value))
+    assert precheck(["model=tiny_random", f"measure.cv_warn={value}"]) == \
+        f"measure.cv_warn={value} must be a finite number >= 0"
+    assert precheck(["-m", "model=tiny_random", "quantizer=none,bf16", "hydra/launcher=local",
+                     f"sweep.timeout_s={value}"]) == f"sweep cell quantizer=none: sweep.timeout_s={value} must be a " \
+                                                     "finite number > 0"
+
+
+@pytest.mark.parametrize("uri, refused", [
+    ("/tmp/qb/mlruns", "tracking.uri=/tmp/qb/mlruns is a file store, which MLflow refuses to log to"),
+    ("file:///tmp/qb/mlruns", "tracking.uri=file:///tmp/qb/mlruns is a file store"),
+    ("foo://bar", "tracking.uri=foo://bar: MLflow has no store for the scheme foo://"),
+    ("sqlite:////tmp/qb/mlflow.db", None),
+    ("postgresql+psycopg2://qb@db/mlflow", None),
+    ("https://mlflow.example:5000", None),
+    ("", None),  # the default: sqlite under results/
+])
+def test_a_tracking_uri_mlflow_cannot_open_is_refused_before_the_run(compose, monkeypatch, uri, refused):
+    """A bare path or an unknown scheme passed validation; the whole run executed, then MLflow logging failed."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    if refused is None:
+        assert build(compose(["model=tiny_random", f"tracking.uri='{uri}'"])).tracking.uri == uri
+        return
+    with pytest.raises(ConfigError) as info:
+        build(compose(["model=tiny_random", f"tracking.uri='{uri}'"]))
+    assert info.value.problems == [info.value.problems[0]] and info.value.problems[0].startswith(refused)
+    assert info.value.problems[0].endswith("use sqlite:///<path>/mlflow.db, or an MLflow server's "
+                                           "http(s)://<host>:<port>")
+    if "file store" in refused:  # MLflow's own opt-in keeps it usable
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        assert build(compose(["model=tiny_random", f"tracking.uri='{uri}'"])).tracking.uri == uri

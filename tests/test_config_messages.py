@@ -196,3 +196,22 @@ def test_a_sweep_baseline_that_is_no_quantizer_of_the_sweep_is_one_line_before_i
     assert precheck(["-m", "model=tiny_random", "quantizer=bf16,fp16"]) is None  # default `none`, not among them
     # an experiment's own baseline, its cells narrowed to formats without it: a sweep without ratios, not a typo
     assert precheck(["+experiment=scaling", "size=tiny,tiny-qwen2", "format=int4"]) is None
+
+
+# --- an interpolation in an override: ${hydra:...} resolves as in the run, any other that cannot is one line -------
+@pytest.mark.parametrize("argv, expected", [
+    (["tracking.run_name=run-${hydra:job.name}"], None),  # Hydra resolves it in the run: so does the precheck
+    (["tracking.results_dir=${hydra:runtime.output_dir}/results"], None),
+    (["-m", "quantizer=none,bf16", "tracking.run_name=cell-${hydra:job.num}"], None),
+    (["measure.max_new_tokens=${oops}"],
+     "measure.max_new_tokens does not resolve (Interpolation key 'oops' not found); give a plain value, or an "
+     "interpolation that resolves"),
+    (["tracking.run_name=${oc.env:QUANTBENCH_NO_SUCH_VAR}"], "tracking.run_name does not resolve (KeyError raised "
+                                                            "while resolving interpolation: \"Environment variable"),
+    (["sweep.label=${oops}"], "sweep.label does not resolve (Interpolation key 'oops' not found)"),
+    (["-m", "quantizer=none,bf16", "sweep.label=${oops}"], "sweep cell quantizer=none: sweep.label does not resolve"),
+])
+def test_an_interpolation_in_an_override_resolves_as_hydra_would_or_is_one_line(argv, expected):
+    # was: a 100-line InterpolationResolutionError traceback and exit 1 from run.py's precheck, for all of them
+    problem = precheck([*argv, "model=tiny_random"])
+    assert problem == expected if expected is None else (problem or "").startswith(expected), problem

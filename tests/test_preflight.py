@@ -176,3 +176,19 @@ def test_an_unknown_key_beside_a_bad_target_imports_nothing_either(monkeypatch):
 def test_project_targets_still_build(compose):
     exp = build(compose(["model=tiny_random", "quantizer=bf16", "strategy=speculative"]))
     assert type(exp.model).__name__ == "TinyRandom" and type(exp.engine).__name__ == "TransformersEngine"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["strategy.requests=2"], "strategy.requests=2 is fewer than the workload's 4 prompts"),
+    (["strategy.requests=2", "measure.prompts=synthetic:3", "measure.prompt_tokens=8"],
+     "strategy.requests=2 is fewer than the workload's 3 prompts"),
+    (["-m", "strategy.requests=2,4"], "sweep cell strategy.requests=2: strategy.requests=2 is fewer than the "
+                                      "workload's 4 prompts"),
+    (["strategy.requests=2", "measure.prompts=synthetic:2", "measure.prompt_tokens=8"], None),
+    (["strategy.requests=8"], None),
+])
+def test_continuous_batch_requests_below_the_prompt_count_are_refused_at_config_time(argv, expected):
+    """The prompt count of a named set, synthetic:N or a file is known without a tokenizer: too few requests were
+    refused only inside the run (harness/run/pipeline.py), a FAILED cell of a sweep and exit 1 for a single run."""
+    problem = precheck(["model=tiny_random", "strategy=continuous_batch", *argv])
+    assert problem == expected if expected is None else (problem or "").startswith(expected), problem

@@ -514,8 +514,8 @@ def test_no_server_outlives_a_sweep_cell_killed_by_its_timeout(compose, tmp_path
     ("load.arrival=weibull", "load.arrival='weibull' is not allowed"),
     ("load.arrival=concurrency load.profile=sweep", "load.profile=sweep offers rates, and load.arrival=concurrency"),
     # a socket timeout of inf raised OverflowError in every request; NaN passed `> 0` too
-    ("load.request_timeout_s=inf", "load.request_timeout_s=inf must be a finite number of seconds <= 1000000"),
-    ("load.request_timeout_s=nan", "load.request_timeout_s=nan must be a finite number of seconds"),
+    ("load.request_timeout_s=inf", "load.request_timeout_s=inf must be a finite number > 0"),
+    ("load.request_timeout_s=nan", "load.request_timeout_s=nan must be a finite number > 0"),
     ("load.request_timeout_s=2e6", "load.request_timeout_s=2000000.0 must be a finite number of seconds"),
     # settings the profile or arrival does not read were accepted, recorded as params, and ignored
     ("load.arrival=concurrency", "load.rates=[1.0] would not be read; drop load.rates"),

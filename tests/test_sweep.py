@@ -202,6 +202,28 @@ def test_start_method_is_validated():
         SweepSettings(start_method="fork")
 
 
+def test_a_swept_sweep_setting_is_checked_in_every_cell_before_any_runs():
+    """The precheck read the sweep section of the base config only: -m sweep.start_method=spawn,fork ran the spawn
+    cell, then FAILED the fork one, whose record (sweep is not in the config hash) overwrote the OK cell's."""
+    from harness.cli import precheck
+
+    assert precheck(["-m", "model=tiny_random", "sweep.start_method=spawn,fork"]) == \
+        "sweep cell sweep.start_method=fork: sweep.start_method='fork' is not allowed; choose one of: forkserver, spawn"
+    assert precheck(["-m", "model=tiny_random", "sweep.timeout_s=10,-1"]) == \
+        "sweep cell sweep.timeout_s=-1: sweep.timeout_s=-1 must be > 0"
+    assert precheck(["-m", "model=tiny_random", "sweep.start_method=spawn,forkserver"]) is None
+
+
+def test_a_launcher_limit_against_a_non_finite_timeout_is_a_line_not_an_overflow():
+    from harness.sweep.launchers import time_limit_problem
+
+    local = {"_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher", "timeout_min": 60}
+    for timeout in (float("inf"), float("nan")):  # was OverflowError (inf) from math.floor
+        problem = time_limit_problem(local, timeout, 600.0, 2)
+        assert problem is not None and "give both as finite numbers of seconds" in problem, problem
+    assert time_limit_problem(local, 60.0, 60.0, 2) is None
+
+
 def test_cells_on_this_machine_take_turns_measuring(tmp_path, monkeypatch, capsys):
     """submitit_local starts every cell at once: each waits for the host's measuring lock, so no two measure on the
     same cores; a cell that runs elsewhere (exclusive=False) does not wait."""

@@ -6,6 +6,7 @@ is refused in one line with exit 2 before a model loads or a server starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
@@ -101,8 +102,8 @@ class LoadConfig(Validated):
         positive(p, "load.burstiness", self.burstiness)
         positive(p, "load.max_send_lag_ms", self.max_send_lag_ms)
         positive(p, "load.request_timeout_s", self.request_timeout_s)
-        t = self.request_timeout_s  # a socket's timeout must fit the platform's clock: inf raised in every request
-        if isinstance(t, (int, float)) and not isinstance(t, bool) and not (t <= MAX_TIMEOUT_S):  # NaN, inf, huge
+        t = self.request_timeout_s  # a socket's timeout must fit the platform's clock (NaN and inf: positive())
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > MAX_TIMEOUT_S:
             p.append(f"load.request_timeout_s={t!r} must be a finite number of seconds <= {MAX_TIMEOUT_S:.0f} (a "
                      "request unanswered that long after its send counts as unfinished)")
         positive(p, "load.warmup_requests", self.warmup_requests, allow_zero=True)

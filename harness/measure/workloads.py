@@ -99,6 +99,11 @@ def check(model: Any, measure: Any, strategy: Any = None, tokenizer: Any = None)
         raise QuantbenchError(f"measure.context_depth with {asked} is not supported (the compiled path sizes its "
                               "static cache from the prompts); drop one of them (measure.path=best decodes eager "
                               "at a depth)")
+    # the prompt count is known without a tokenizer: a strategy that cannot decode that many (continuous_batch's
+    # strategy.requests below it) is refused here, not inside the run as a FAILED cell (harness/run/pipeline.py)
+    count = src.count if src.kind == "synthetic" else len(src.texts)
+    if (problem := getattr(strategy, "workload_problem", lambda n: None)(count)):
+        raise QuantbenchError(problem)
     limits = [lim or measure.max_new_tokens for lim in src.limits]
     ctx = context_length(model)
     if ctx is None:

@@ -44,6 +44,9 @@ def time_limit_problem(launcher: Any, timeout_s: float, startup_timeout_s: float
     if isinstance(limit, bool) or not isinstance(limit, (int, float)):
         return None
     per_cell = timeout_s + startup_timeout_s
+    if not math.isfinite(per_cell):  # refused by the sweep settings (harness/schema.py positive); no limit fits it
+        return (f"sweep.startup_timeout_s + sweep.timeout_s = {per_cell:g} s: give both as finite numbers of seconds "
+                f"(hydra.launcher.timeout_min={limit} must outlast them)")
     in_turn = launcher_name(launcher) in LOCAL_LAUNCHERS
     span = per_cell * (max(cells, 1) if in_turn else 1)
     delay = launcher.get("signal_delay_s", SIGNAL_DELAY_S)
