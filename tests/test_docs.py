@@ -140,7 +140,7 @@ NOT_HERE = {  # command (as extracted) -> why it cannot run on this machine; che
                      "make gate BASE=origin/$GITHUB_BASE_REF", "make gate GATE_ARGS=--no-mlflow"),
                     "is CI's gate step: .ci/run runs it right after this suite, and tests/test_gate_ci.py runs it on "
                     "a throwaway pair of commits (an unchanged one passes, one with more work per step fails)"),
-    'python -m pytest -m "not slow"': "is (part of) this test suite itself",
+    'python -m pytest -m "not slow and not heavy"': "is (part of) this test suite itself",
     "make test-heavy": "is the heavy tier of this suite (tests/test_experiments_embedded.py, ~10 min), run by hand",
     "bash benchmarks/gpu_check.sh --bundle": "downloads CUDA wheels from a package registry; "
                                              "tests/test_gpu_check.py checks the bundle logic offline",

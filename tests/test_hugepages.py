@@ -48,9 +48,18 @@ def test_huge_share_reads_the_mapping_that_holds_the_address(tmp_path):
 
 
 def _inside(model, moved) -> bool:
+    """Every parameter and buffer (a subclass opened by its flatten) in the arena: listed here, not with
+    hugepages.tensors, the list the move itself walks (a tensor it skipped was neither moved nor checked)."""
     lo = torch.frombuffer(moved.arena, dtype=torch.uint8).data_ptr()
     hi = lo + len(moved.arena)
-    return all(lo <= t.data_ptr() < hi for t in hugepages.tensors(model))
+    plain, todo = [], [*model.parameters(), *model.buffers()]
+    while todo:
+        t = todo.pop()
+        if type(t) in (torch.Tensor, torch.nn.Parameter):
+            plain.append(t)
+        else:
+            todo += [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+    return all(lo <= t.data_ptr() < hi for t in plain if t.numel() > 0)
 
 
 def test_move_points_every_weight_into_one_mapping_keeping_values_and_ties(monkeypatch):
@@ -66,7 +75,7 @@ def test_move_points_every_weight_into_one_mapping_keeping_values_and_ties(monke
     tokens = greedy_generate(model, ids, DecodeOptions(max_new_tokens=6)).sequences
     moved = hugepages.move(model, "auto", "cpu")
     assert moved.tag == "on (transparent huge pages: madvise)" and 0.0 <= moved.share <= 1.0
-    assert _inside(model, moved)
+    assert _inside(model, moved) and len(list(model.buffers())) > 0  # buffers too (RoPE's inv_freq)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied: one storage, moved once
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
     assert greedy_generate(model, ids, DecodeOptions(max_new_tokens=6)).sequences == tokens

@@ -362,7 +362,7 @@ def test_llama_server_gets_the_engines_batch_and_attention_path_and_the_run_tags
     assert result.status == "OK", result.error
     (cmd,) = commands
     flags = {cmd[i]: cmd[i + 1] for i in range(1, len(cmd) - 1) if cmd[i].startswith("-")}
-    assert (flags["-b"], flags["-ub"], flags["-fa"]) == ("64", "64", "on")
+    assert (flags["-b"], flags["-ub"], flags["-fa"]) == ("64", "64", "on") and flags["--host"] == "127.0.0.1"
     tags = result.tags
     assert (tags["llama.n_batch"], tags["llama.n_ubatch"], tags["llama.flash_attn"]) == ("64", "64", "true")
     assert tags["llama.server_version"] not in ("", "?")

@@ -187,6 +187,7 @@ def test_a_password_on_the_command_line_is_refused_and_never_printed(capsys, mon
     assert server.redact("postgresql+psycopg2://mlflow:s3cret-pw@db:5432/x") == "postgresql+psycopg2://mlflow:***@db:5432/x"
     cmd, env = server.mlflow_launch("postgresql://mlflow:s3cret-pw@db:5432/x", Path("/tmp/a"), 5000)
     assert "s3cret-pw" not in " ".join(cmd) and "s3cret-pw" in env["MLFLOW_BACKEND_STORE_URI"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"  # the tracking server binds to loopback only
 
 
 def test_the_ui_refuses_a_store_uri_with_a_password(capsys):
@@ -214,6 +215,7 @@ def test_make_ui_starts_mlflow_without_its_job_runner(tmp_path, monkeypatch):
     assert ui.main(["--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db", "--port", "5999"]) == 0
     ((argv, env),) = started
     assert argv[1:4] == ["-m", "mlflow", "ui"] and "5999" in argv
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"  # the UI can change and delete runs: loopback only
     assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
     assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == server.mlflow_launch("sqlite:///x", tmp_path, 1)[1][
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"]
