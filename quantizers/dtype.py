@@ -174,6 +174,7 @@ class Auto16(Dtype):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._gemv = "auto"
+        self._threads = 0  # measure.threads (check_with): auto16's rates are measured at the run's count
         self._why = ""
 
     @property
@@ -182,12 +183,13 @@ class Auto16(Dtype):
 
     def check_with(self, *, parts: dict, measure: Any, accuracy: Any) -> None:
         self._gemv = getattr(measure, "gemv", "auto") if measure is not None else "auto"
+        self._threads = int(getattr(measure, "threads", 0) or 0) if measure is not None else 0
 
     def preflight(self, device: str) -> None:
         super().preflight(device)
         if not self._why:
             kernel = gemv_choice(self._gemv, device, env.cpu_info())[0]
-            self.dtype, self._why = sixteen_choice(device, kernel)
+            self.dtype, self._why = sixteen_choice(device, kernel, self._threads)
 
     def load(self, source: Any, *, tokenizer: Any, device: str, experiment: Any) -> Any:
         model = super().load(source, tokenizer=tokenizer, device=device, experiment=experiment)

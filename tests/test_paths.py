@@ -123,6 +123,20 @@ def tiny_llama():
     return LlamaForCausalLM(cfg).eval()
 
 
+def test_auto16_measures_its_rates_at_the_runs_thread_count(zen4, monkeypatch, tmp_path):
+    """Preflight runs before the run sets its threads: the rates were measured (and keyed, and recorded) at torch's
+    default, 2 threads here, for a measure.threads=1 run; torch's own count is left as it was."""
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path))
+    seen: list[int] = []
+    monkeypatch.setattr(one_row, "rates", lambda *a, **k: seen.append(torch.get_num_threads()) or
+                        {"bfloat16": 30.0, "float16": 34.0})
+    before = torch.get_num_threads()
+    q = build(compose(["model=tiny_random", "quantizer=auto16", "measure.threads=1"])).quantizer
+    q.preflight("cpu")
+    assert seen == [1] and "1 threads" in q._why and torch.get_num_threads() == before
+    assert [p.name for p in (tmp_path / "auto16").iterdir()][0].count("-1t-") == 1
+
+
 def test_stream_rate_reads_every_weight_matrix_once_head_included(tiny_llama):
     got = one_row.stream_rate(tiny_llama, torch.float32, "cpu", gemv_aten=True, repeats=1)
     # 2 layers x (q 32x32, k 32x16, v 32x16, o 32x32, gate/up/down 3 x 32x64) + the tied 64x32 head, fp32

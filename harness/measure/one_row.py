@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from harness import env
+from harness import cgroup, env
 from harness.cache import cache_root
 from harness.errors import QuantbenchError
 from harness.measure import now, sync
@@ -151,22 +151,29 @@ def rates(dtypes: tuple[torch.dtype, ...], kernel: str, n: int = 4096, mats: int
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def sixteen_choice(device: str, kernel: str) -> tuple[str, str]:
-    """(dtype, why): bf16 or fp16 for auto16 on `device`, from this host's measured one-row rates (cached)."""
+def sixteen_choice(device: str, kernel: str, threads: int = 0) -> tuple[str, str]:
+    """(dtype, why): bf16 or fp16 for auto16 on `device`, from this host's measured one-row rates (cached), at the
+    run's thread count (`threads`, measure.threads; 0: what set_threads will give). Preflight runs before the run
+    sets its threads, so the rates are measured under that count here, not under torch's default."""
     if not device.startswith("cpu"):
         return "bfloat16", f"{device}: bf16 (GPU GEMV streams both 16-bit formats alike; not measured here)"
-    cpu = env.cpu_info()
-    key = f"{cpu.vendor}-{cpu.family}-{cpu.model}-{cpu.isa}-{torch.__version__}-{torch.get_num_threads()}t-" \
+    cpu, n = env.cpu_info(), int(threads or cgroup.usable_cpus())
+    key = f"{cpu.vendor}-{cpu.family}-{cpu.model}-{cpu.isa}-{torch.__version__}-{n}t-" \
           f"{kernel}{'-t16' if kernel == 'rows8' else ''}".replace(" ", "_")  # -t16: bf16 in gemv16t's tiles
     path = cache_root() / "auto16" / f"{key}.json"
     try:
         measured = json.loads(path.read_text())
     except (OSError, ValueError):
-        measured = rates((torch.bfloat16, torch.float16), kernel)
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            measured = rates((torch.bfloat16, torch.float16), kernel)
+        finally:
+            torch.set_num_threads(before)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(measured))
     bf, fp = measured["bfloat16"], measured["float16"]
     pick = "float16" if fp >= FP16_MARGIN * bf else "bfloat16"
-    why = (f"one-row {kernel} kernel on this CPU ({cpu.uarch or cpu.isa}, {torch.get_num_threads()} threads, measured once "
+    why = (f"one-row {kernel} kernel on this CPU ({cpu.uarch or cpu.isa}, {n} threads, measured once "
            f"per host): bf16 {bf:.1f} GB/s, fp16 {fp:.1f} GB/s; fp16 only when >= {FP16_MARGIN:.2f}x bf16")
     return pick, why

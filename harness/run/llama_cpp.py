@@ -112,10 +112,11 @@ def _convert(src: Path, out: Path, fmt: str, threads: int, n_weights: int) -> Pa
     return out
 
 
-def sixteen_format(device: str) -> str:
-    """engine.format=auto16: F16 or BF16, as quantizer=auto16 (with its default measure.gemv) picks on this CPU."""
+def sixteen_format(device: str, threads: int = 0) -> str:
+    """engine.format=auto16: F16 or BF16, as quantizer=auto16 (with its default measure.gemv) picks on this CPU at
+    the run's thread count."""
     kernel = gemv_choice("auto", device, env.cpu_info())[0]
-    return {"float16": "F16", "bfloat16": "BF16"}[sixteen_choice(device, kernel)[0]]
+    return {"float16": "F16", "bfloat16": "BF16"}[sixteen_choice(device, kernel, threads)[0]]
 
 
 @dataclass
@@ -182,7 +183,7 @@ class LlamaCppEngine:
                                   "use measure.device=cpu")
         exp.model.preflight()
         if self.format == "auto16":  # the 16-bit format quantizer=auto16 picks on this CPU (harness/measure/one_row.py)
-            self.format = sixteen_format(device)
+            self.format = sixteen_format(device, exp.measure.threads)
         path = exp.model.gguf_path
         if path is None or not (Path(path).is_file() or exp.model.builds_gguf):  # random weights: written at load
             raise QuantbenchError(f"engine=llama_cpp: GGUF file {path} not found")
