@@ -102,11 +102,13 @@ class CpuInfo:
         """AMD Zen generation from family/model (AMD's published numbering); '' when not known."""
         if self.vendor != "AuthenticAMD" or not self.family.isdigit():
             return ""
-        fam, avx512 = int(self.family), "avx512f" in self.flags
+        fam, model = int(self.family), int(self.model) if self.model.isdigit() else -1
         if fam == 23:
             return "zen/zen2"
-        if fam == 25:  # 0x19: Zen 3 (Milan, Vermeer) and Zen 4 (Genoa, Raphael); Zen 4 added AVX-512
-            return "zen4" if avx512 else "zen3"
+        if fam == 25:  # 0x19: Zen 4 is models 0x10-0x1F (Genoa), 0x60-0x7F (Raphael, Phoenix), 0xA0-0xAF (Bergamo,
+            # Siena); the rest Zen 3 (Milan, Vermeer, Cezanne). By model, not AVX-512: a VM may hide Zen 4's flags
+            zen4 = 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF
+            return "zen4" if zen4 else "zen3"
         if fam == 26:  # 0x1a
             return "zen5"
         return ""

@@ -23,8 +23,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from harness import env  # env.cpu_info looked up per call: tests patch it, and a name bound at import kept the patch
 from harness.cache import cache_root, short_hash
-from harness.env import cpu_info, device_name
+from harness.env import device_name
 from harness.errors import QuantbenchError
 
 # Peak memory bandwidth (bytes/s) of common accelerators, from the vendors' datasheets.
@@ -121,7 +122,7 @@ def measure_cuda(repeats: int = 10) -> Bandwidth:
 def host_key(device: str, threads: int) -> str:
     """What keys a host's cached measurements: host name, machine, the CPU (`CpuInfo.key`: vendor, family, model,
     ISA tier) or GPU model, device kind, threads."""
-    name = device_name(device) if device.startswith("cuda") else cpu_info(with_torch=False).key()
+    name = device_name(device) if device.startswith("cuda") else env.cpu_info(with_torch=False).key()
     return short_hash(socket.gethostname(), platform.machine(), name, device.split(":")[0], threads)
 
 
@@ -156,6 +157,6 @@ def host_bandwidth(device: str, threads: int, refresh: bool = False) -> Bandwidt
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({**asdict(bw), "device": device, "threads": threads, "host": socket.gethostname(),
-                               "cpu": cpu_info(with_torch=False).key(), "boot_id": boot}))
+                               "cpu": env.cpu_info(with_torch=False).key(), "boot_id": boot}))
     os.replace(tmp, path)
     return bw
