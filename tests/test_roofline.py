@@ -105,7 +105,7 @@ def test_bandwidth_key_tells_cpus_apart_and_another_boot_measures_anew(monkeypat
     zen4 = env.CpuInfo("AuthenticAMD", "25", "17", "AMD EPYC", frozenset({"avx2", "fma", "avx512f"}))
     keys = set()
     for cpu in (zen3, zen4):
-        monkeypatch.setattr(bandwidth, "cpu_info", lambda with_torch=True, cpu=cpu: cpu)
+        monkeypatch.setattr(bandwidth.env, "cpu_info", lambda with_torch=True, cpu=cpu: cpu)
         keys.add(bandwidth.host_key("cpu", 2))
     assert len(keys) == 2
     values = iter([50e9, 20e9, 10e9])
