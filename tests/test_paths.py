@@ -36,7 +36,7 @@ def _exp(*overrides: str):
 
 @pytest.fixture()
 def zen4(monkeypatch):
-    monkeypatch.setattr(env, "cpu_info", lambda: ZEN4)
+    monkeypatch.setattr(env, "cpu_info", lambda *a, **k: ZEN4)
     monkeypatch.setattr(memory, "available_bytes", lambda device: (64e9, "test"))
 
 
@@ -50,14 +50,14 @@ def test_best_reads_the_measured_row_for_this_cpu_format_and_size(zen4, monkeypa
     assert paths.settle(_exp("quantizer=int4"), "cpu").path == "compiled"
     tiny = build(compose(["model=tiny_random", "quantizer=bf16"]))  # below 1B: no row, eager
     assert paths.settle(tiny, "cpu").path == "eager" and not tiny.measure.compile
-    monkeypatch.setattr(env, "cpu_info", lambda: ZEN3)  # the ISA line's row, and no oneDNN bf16 to avoid
+    monkeypatch.setattr(env, "cpu_info", lambda *a, **k: ZEN3)  # the ISA line's row, and no oneDNN bf16 to avoid
     z3 = paths.settle(_exp("quantizer=int4"), "cpu")
     assert z3.path == "freezing" and z3.by.startswith("avx2 int4") and z3.gemv == "aten" and "not native" in z3.gemv_by
     assert paths.settle(_exp("quantizer=bf16", "measure.gemv=onednn"), "cpu").gemv == "onednn"
 
 
 def test_best_falls_back_when_freezing_does_not_fit_or_a_compile_would_time_out(zen4, monkeypatch):
-    monkeypatch.setattr(env, "cpu_info", lambda: ZEN3)  # Zen 3's int4 row is freezing
+    monkeypatch.setattr(env, "cpu_info", lambda *a, **k: ZEN3)  # Zen 3's int4 row is freezing
     exp = _exp("quantizer=int4")
     est = memory.transformers_estimate(exp, "cpu")
     # room for the run, not for freezing's second copy of the weights
@@ -376,7 +376,7 @@ def test_a_config_settled_twice_in_one_process_warns_once_and_tags_both(zen4, ca
 
 
 def test_a_run_forced_onto_a_slower_path_carries_the_tag(results_overrides, monkeypatch):
-    monkeypatch.setattr(env, "cpu_info", lambda: ZEN3)  # bf16 emulated: prefill_matmul=native is the slow path
+    monkeypatch.setattr(env, "cpu_info", lambda *a, **k: ZEN3)  # bf16 emulated: prefill_matmul=native is the slow path
     result = runner.execute(build(compose(["model=tiny_random", "quantizer=bf16", "quantizer.prefill_matmul=native",
                                            "measure.max_new_tokens=4", "measure.repetitions=1", "measure.warmup=0",
                                            "accuracy.enabled=false", "measure.kernel_profile=false",

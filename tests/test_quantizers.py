@@ -346,7 +346,7 @@ def test_torchao_int8_int8pack_is_torchaos_weights_on_the_aten_op(compose, monke
     from harness.env import parse_cpuinfo
     from quantizers.int8pack import INT8_UPCAST_ROWS, Int8PackLinear
 
-    monkeypatch.setattr(env, "cpu_info", lambda: parse_cpuinfo(ZEN5 if native_bf16 else ZEN3))
+    monkeypatch.setattr(env, "cpu_info", lambda *a, **k: parse_cpuinfo(ZEN5 if native_bf16 else ZEN3))
     fast, _ = _load(_exp(compose, "torchao_int8"))
     slow_exp = _exp(compose, "torchao_int8", ["quantizer.kernel=torchao"])
     slow, _ = _load(slow_exp)

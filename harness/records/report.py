@@ -203,18 +203,19 @@ def plot(rows: list[dict], path: Path, title: str = "sweep") -> Path:
 def machine_sections(folder: Path, rows: list[dict], baseline: str, title: str) -> tuple[str, list[Path]]:
     """The sections that fit, pair or overlay cells with one another, one machine at a time: crossover (batch
     size / context depth), scaling (model sizes), gpu_scaling (GPU shapes) and serving (load runs). A fit or a
-    ratio across two CPUs or GPUs would be made up, so with several machines each one's sections are titled
-    with it and its figures go in a subfolder named after it."""
+    ratio across two CPUs or GPUs would be made up, so where several machines have such a section, each one's
+    sections are titled with it and its figures go in a subfolder named after it."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(r["machine"], []).append(r)
+    texts = {m: crossover.section(part, baseline) + scaling.section(part) + gpu_scaling.section(part)
+             + serving.section(part) for m, part in groups.items()}
+    shown = [m for m, t in texts.items() if t]  # a machine none of them applies to draws nothing either
     text, paths = "", []
-    for machine, part in groups.items():
-        sub = folder if len(groups) == 1 else folder / (re.sub(r"[^A-Za-z0-9]+", "-", machine).strip("-").lower()
-                                                        or "machine")
-        got = (crossover.section(part, baseline) + scaling.section(part) + gpu_scaling.section(part)
-               + serving.section(part))
-        if sub != folder:
+    for machine in shown:
+        part, got, sub = groups[machine], texts[machine], folder
+        if len(shown) > 1:
+            sub = folder / (re.sub(r"[^A-Za-z0-9]+", "-", machine).strip("-").lower() or "machine")
             got = re.sub(r"^## (.+)$", lambda m, on=machine: f"## {m.group(1)} (on {on})", got, flags=re.M)
             got = re.sub(r"\b(\w+\.png)\b", lambda m, d=sub.name: f"{d}/{m.group(1)}", got)
         text += got
