@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -402,9 +403,10 @@ def datasheet_bandwidth(gpu: str) -> tuple[float, str] | None:
     from harness.analysis.bandwidth import DEVICES
 
     name = gpu.lower().replace(" ", "")
+    words = set(re.split(r"[^a-z0-9]+", gpu.lower()))  # whole words: an L40S is no L4, a GH200 no H200
     for key in ("h200", "h100-pcie" if "pcie" in name else "h100", "a100-80gb" if "80g" in name else "a100-40gb",
                 "l4", "rtx4090"):
-        if key.split("-")[0] in name:
+        if key.split("-")[0] in words or (key == "rtx4090" and "rtx4090" in name):
             return DEVICES[key]
     return None
 

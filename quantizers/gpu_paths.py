@@ -116,7 +116,7 @@ class Choice:
 
 
 def _float(name: str, source: str) -> GpuPath:
-    return GpuPath(name, kernel="gemv|gemm|xmma", source=source)
+    return GpuPath(name, kernel="gemv|gemm|xmma|nvjet", source=source)  # nvjet_*: cuBLAS's sm_90+ GEMMs
 
 
 def _rows(arch: str) -> dict[str, tuple[GpuPath, ...]]:

@@ -465,3 +465,17 @@ def test_a_flat_run_packs_only_its_own_cells_when_work_holds_an_earlier_calls(tm
     with tarfile.open(out / "cells.tar.gz") as tar:
         names = tar.getnames()
     assert "logs/8b-int8.log" in names and not any("8b-fp16" in n for n in names), names
+
+
+def test_the_datasheet_is_looked_up_by_whole_words():
+    """"l4" in "nvidia l40s" gave an L40S the L4's 300 GB/s (3x its datasheet ms); "h200" in "gh200" a GH200 the
+    H200's bandwidth. The lent H100/H200 names keep their rows."""
+    from harness.analysis.bandwidth import DEVICES
+
+    assert gpu_check.datasheet_bandwidth("NVIDIA H200") == DEVICES["h200"]
+    assert gpu_check.datasheet_bandwidth("NVIDIA H100 80GB HBM3") == DEVICES["h100"]
+    assert gpu_check.datasheet_bandwidth("NVIDIA H100 PCIe") == DEVICES["h100-pcie"]
+    assert gpu_check.datasheet_bandwidth("NVIDIA A100-SXM4-80GB") == DEVICES["a100-80gb"]
+    assert gpu_check.datasheet_bandwidth("NVIDIA L4") == DEVICES["l4"]
+    assert gpu_check.datasheet_bandwidth("NVIDIA GeForce RTX 4090") == DEVICES["rtx4090"]
+    assert gpu_check.datasheet_bandwidth("NVIDIA L40S") is None and gpu_check.datasheet_bandwidth("NVIDIA GH200") is None

@@ -66,6 +66,8 @@ def test_kernel_names_are_read_from_demangled_signatures():
 @pytest.mark.parametrize("raw,linear", [
     (GEMV, True), (GEMVX, True), (XMMA, True), (MARLIN, True), (TINYGEMM, True), (BNB4, True), (DEQUANT, True),
     (CUTLASS, True), ("void cublasLt::splitKreduce_kernel<32, 16, int, __half, __half, float, __half>(x)", True),
+    # cuBLAS's own GEMMs on sm_90+ (CUDA 12.8+): only their split-K variants matched before
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", True), ("nvjet_sm90_tst_64x16_64x16_2x4_h_bz_TNT", True),
     ("triton_tem_fused_mm_0", True), ("triton_red_fused__to_copy_mm_mul_2", True),
     ("triton_red_fused__to_copy_mul_sum_0", True), ("triton_red_fused__softmax_exp_mul_sum_4", False),
     ("triton_poi_fused_dequantize_affine_0", True),

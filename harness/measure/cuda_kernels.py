@@ -34,12 +34,12 @@ Row = tuple[str, float, int]  # (raw kernel name, self device time in us, calls)
 # (`cutlass::device_kernel<flash::...>`) and flash-decoding's split-KV kernels contain "splitk".
 NOT_LINEAR_KERNELS = ("flash", "fmha", "attention", "attn", "sdpa", "softmax", "splitkv", "rotary", "rope_", "rms",
                       "norm")
-# cuBLAS (gemv*, *gemm*, xmma, cublasLt's split-K reduce), CUTLASS, Marlin (GPTQ/AWQ), tinygemm (torch's
+# cuBLAS (gemv*, *gemm*, xmma, cublasLt's split-K reduce, and its Hopper/Blackwell `nvjet_*` GEMMs), CUTLASS, Marlin (GPTQ/AWQ), tinygemm (torch's
 # _weight_int4pack_mm), fbgemm/mslk, gemlite, bitsandbytes (kgemm_4bit_inference_naive, int8 igemm/imma), and
 # dequantize kernels: a kernel that unpacks a quantized weight for the gemm after it is part of the linear path,
 # and often the bigger part of it, so it is counted there (and shows as `kernel.linear_2nd` when it is).
 LINEAR_KERNELS = ("gemv", "gemm", "xmma", "cutlass", "cublas", "marlin", "tinygemm", "int4pack", "int8pack",
-                  "splitk", "gemlite", "mslk", "kint8", "imma", "dequant", "wgmma", "matmul")
+                  "splitk", "gemlite", "mslk", "kint8", "imma", "dequant", "wgmma", "matmul", "nvjet")
 # Triton kernels are named after the ops they fused: an `mm` among them (`triton_tem_fused_mm_0`,
 # `triton_red_fused__to_copy_mm_mul_0`: inductor's one-row mm as a reduction) is a linear layer; `bmm` is attention.
 TRITON_LINEAR_OPS = frozenset({"mm", "addmm", "linear", "matmul", "dequantize", "int4pack", "int8pack"})
