@@ -139,6 +139,11 @@ def precheck(argv: list[str]) -> str | None:
             # tracking.uri=sqlite\:///... is the command line's sqlite:///..., not a value of the cell's own)
             label = ",".join(o for o in cell if o.split("=", 1)[0].lstrip("+~") not in fixed) or "default"
             return f"sweep cell {label}: {problem}" if len(cells) > 1 else problem
+    # a load setting no cell reads (harness/load/config.py unread): judged over the whole sweep, where a sweep over
+    # load.arrival=poisson,gamma reads load.burstiness in one cell
+    unread = [exp.load.unread() for exp in built]
+    if unread and (common := [k for k in unread[0] if all(k in u for u in unread)]):
+        return unread[0][common[0]] + (" (in every cell of this sweep)" if len(unread) > 1 else "")
     try:  # the base config's settings (each cell's were checked above), in a single run too
         with as_job(cfg, 0 if multirun else None) as task:
             settings = sweep_settings(task)

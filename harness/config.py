@@ -223,7 +223,7 @@ class TrackingConfig(Validated):
         positive(p, "tracking.timeout_s", self.timeout_s)
         if not self.experiment:
             p.append("tracking.experiment must not be empty")
-        store_uri(p, "tracking.uri", self.uri)  # a scheme MLflow opens, and no password: refused before the run
+        store_uri(p, "tracking.uri", self.uri, self.enabled)  # no password; with tracking on, a scheme MLflow opens
         return p
 
     def resolved_uri(self) -> str:

@@ -61,11 +61,14 @@ def no_password(problems: list[str], name: str, uri: str, fix: str) -> None:
 STORE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
 
 
-def store_uri(problems: list[str], name: str, uri: str) -> None:
-    """Append to `problems` why `uri` (an MLflow tracking URI; empty = the default store) is not one MLflow can open,
-    or holds a password (`no_password`); refused at config time, not when the finished run logs."""
+def store_uri(problems: list[str], name: str, uri: str, opened: bool = True) -> None:
+    """Append to `problems` why `uri` (an MLflow tracking URI; empty = the default store) holds a password
+    (`no_password`), or, where it is `opened` (tracking on), is not one MLflow can open; refused at config time,
+    not when the finished run logs."""
     no_password(problems, name, uri, "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (an MLflow server), "
                                      "or use ~/.pgpass or PGPASSFILE (a database)")
+    if not opened:  # tracking.enabled=false: the run never opens it
+        return
     try:
         scheme = urllib.parse.urlsplit(str(uri)).scheme.lower().split("+", 1)[0]
     except ValueError:  # said by no_password

@@ -567,6 +567,18 @@ def test_a_concurrency_needs_no_rates():
     assert precheck(["load.profile=rates", "load.arrival=concurrency"]) is None
 
 
+def test_a_sweep_refuses_an_unread_load_setting_only_where_no_cell_reads_it():
+    """Judged cell by cell, a sweep over load.arrival=poisson,gamma refused load.burstiness in its poisson cell, and a
+    sweep over arrivals with load.concurrency could not be written at all."""
+    for override in (["load.arrival=poisson,gamma", "load.burstiness=0.5"],
+                     ["load.arrival=poisson,concurrency", "load.concurrency=8"]):
+        assert precheck(["-m", "model=tiny_random", "load.profile=rates", "load.rates=[1,2]", *override]) is None
+    problem = precheck(["-m", "model=tiny_random", "load.profile=rates", "load.rates=[1,2]",
+                        "load.arrival=poisson,constant", "load.burstiness=0.5"])
+    assert problem is not None and "load.burstiness=0.5 is read by load.arrival=gamma only" in problem \
+        and problem.endswith("(in every cell of this sweep)")
+
+
 def test_settings_each_arrival_and_profile_reads_are_accepted():
     for override in (["load.profile=rates", "load.arrival=concurrency", "load.concurrency=16"],
                      ["load.profile=rates", "load.rates=[1]", "load.arrival=gamma", "load.burstiness=0.2"],

@@ -119,33 +119,33 @@ class LoadConfig(Validated):
             p.append(f"load.url holds {part}, which requests do not send (only scheme, host, port and path) and MLflow "
                      "would record as a param; give the base URL alone, e.g. http://127.0.0.1:8080/v1, at an endpoint "
                      "that needs no login (a local proxy can add credentials)")
-        p += self._unread()
         if (err := spec_problem(str(self.lengths))):
             p.append(err)
         return p
 
-    def _unread(self) -> list[str]:
-        """Settings this profile and arrival do not read, set away from their defaults: one line each, naming the
-        setting to drop (they were accepted, recorded as params, and ignored)."""
+    def unread(self) -> dict[str, str]:
+        """Settings this profile and arrival do not read, set away from their defaults: setting -> one line naming
+        it to drop (they were accepted, recorded as params, and ignored). Refused by harness/cli.py's precheck, which
+        judges a sweep as a whole: load.burstiness in a sweep over load.arrival=poisson,gamma is read by a cell."""
         if not self.enabled:
-            return []
+            return {}
         default = {f.name: f.default for f in fields(self) if f.default is not MISSING}
-        p: list[str] = []
+        p: dict[str, str] = {}
         rates = list(self.rates or [])
         if rates and self.arrival == "concurrency":
-            p.append(f"load.arrival=concurrency keeps load.concurrency={self.concurrency} requests in flight and "
-                     f"offers no rate: load.rates={rates} would not be read; drop load.rates")
+            p["rates"] = (f"load.arrival=concurrency keeps load.concurrency={self.concurrency} requests in flight "
+                          f"and offers no rate: load.rates={rates} would not be read; drop load.rates")
         elif rates and self.profile == "sweep":
-            p.append(f"load.profile=sweep picks its own rates: load.rates={rates} would not be read; drop load.rates, "
-                     "or use load.profile=rates")
+            p["rates"] = (f"load.profile=sweep picks its own rates: load.rates={rates} would not be read; drop "
+                          "load.rates, or use load.profile=rates")
         if self.profile == "rates" and self.sweep_rates != default["sweep_rates"]:
-            p.append(f"load.sweep_rates={self.sweep_rates!r} is read by load.profile=sweep only; drop it")
+            p["sweep_rates"] = f"load.sweep_rates={self.sweep_rates!r} is read by load.profile=sweep only; drop it"
         if self.burstiness != default["burstiness"] and self.arrival != "gamma":
-            p.append(f"load.burstiness={self.burstiness!r} is read by load.arrival=gamma only (this run: "
-                     f"load.arrival={self.arrival}); drop it, or set load.arrival=gamma")
+            p["burstiness"] = (f"load.burstiness={self.burstiness!r} is read by load.arrival=gamma only (this run: "
+                               f"load.arrival={self.arrival}); drop it, or set load.arrival=gamma")
         if self.concurrency != default["concurrency"] and self.arrival != "concurrency":
-            p.append(f"load.concurrency={self.concurrency!r} is read by load.arrival=concurrency only (this run: "
-                     f"load.arrival={self.arrival}); drop it, or set load.arrival=concurrency")
+            p["concurrency"] = (f"load.concurrency={self.concurrency!r} is read by load.arrival=concurrency only "
+                                f"(this run: load.arrival={self.arrival}); drop it, or set load.arrival=concurrency")
         return p
 
 
