@@ -94,6 +94,20 @@ def test_continuous_batch_prefills_every_request_unless_sharing_is_asked_for(tar
 
 
 # ------------------------------------------------------------------------------------------ speculative fixes
+SPEC_PROMPT = [9, 10, 11, 12, 13, 14, 15, 9, 10, 11]
+
+
+def speculate(target, make_drafter, limit: int, k: int):
+    """(drafter, generation): speculative decoding of SPEC_PROMPT with the drafter `make_drafter(reference)` builds
+    from plain greedy's tokens; the output is checked equal to greedy's."""
+    opts = DecodeOptions(max_new_tokens=limit)
+    ref = [*SPEC_PROMPT, *greedy_generate(target, [SPEC_PROMPT], opts).sequences[0]]
+    drafter = make_drafter(ref)
+    gen = speculative_generate(target, SPEC_PROMPT, opts, drafter, k)
+    assert gen.sequences[0] == ref[len(SPEC_PROMPT):]
+    return drafter, gen
+
+
 class OneRight:
     """Proposes greedy's next token, then k-1 wrong ones: exactly 1 of every k drafted is accepted."""
 
@@ -116,11 +130,7 @@ class OneRight:
 
 def test_acceptance_counts_rejected_draft_tokens(target):
     """Every drafted token is in the denominator (was: min(drafted, emitted), 0.53 for this 1-of-4 drafter)."""
-    prompt, opts = [9, 10, 11, 12, 13, 14, 15, 9, 10, 11], DecodeOptions(max_new_tokens=21)
-    ref = [*prompt, *greedy_generate(target, [prompt], opts).sequences[0]]
-    drafter = OneRight(ref)
-    gen = speculative_generate(target, prompt, opts, drafter, 4)
-    assert gen.sequences[0] == ref[len(prompt):]
+    drafter, gen = speculate(target, OneRight, 21, 4)
     steps = gen.stats["steps"]
     assert [d for d, _ in steps] == drafter.proposed == [4] * 8 + [3, 1]  # the token budget trims the last two
     assert all(a == 1 for _, a in steps)
@@ -138,13 +148,8 @@ def test_a_perfect_draft_is_never_empty_and_nothing_drafted_is_nan_not_zero(targ
     """A perfect drafter: its last step, with one token of budget left, drafts nothing by the budget's rule, not
     the drafter's (empty_draft_fraction was 1/6 here). With a 2-token limit nothing is ever drafted: acceptance 0
     read "every draft rejected" for a perfect draft; it is NaN."""
-    prompt = [9, 10, 11, 12, 13, 14, 15, 9, 10, 11]
-
     def run(limit, k):
-        opts = DecodeOptions(max_new_tokens=limit)
-        ref = [*prompt, *greedy_generate(target, [prompt], opts).sequences[0]]
-        gen = speculative_generate(target, prompt, opts, Perfect(ref), k)
-        assert gen.sequences[0] == ref[len(prompt):]
+        gen = speculate(target, Perfect, limit, k)[1]
         gen.stats.update(greedy_e2e_s=1.0, greedy_decode_tokens_per_s=1.0, greedy_match=1.0)
         return gen, Speculative(draft="model", num_draft_tokens=k).metrics([gen])
 
@@ -171,15 +176,11 @@ class SlowRollback(Perfect):
 
 def test_the_draft_rollback_is_inside_the_step_time(target):
     """The draft cache's crop ran after the step's clock stopped: ITL and verify_s missed it (was ~0 here)."""
-    prompt, opts = [9, 10, 11, 12, 13, 14, 15, 9, 10, 11], DecodeOptions(max_new_tokens=9)
-    ref = [*prompt, *greedy_generate(target, [prompt], opts).sequences[0]]
-    drafter = SlowRollback(ref)
-    gen = speculative_generate(target, prompt, opts, drafter, 4)
-    assert gen.sequences[0] == ref[len(prompt):]
+    drafter, gen = speculate(target, SlowRollback, 9, 4)
     n = len(gen.stats["steps"])
     assert sum(gen.step_s) >= 0.03 * n and gen.stats["verify_s"] >= 0.03 * n
     # the draft cache keeps every emitted token but the newest, as before the step's clock moved
-    assert drafter.keeps == [len(prompt) + 1 + sum(len_ + 1 for len_, _ in gen.stats["steps"][: i + 1]) - 1
+    assert drafter.keeps == [len(SPEC_PROMPT) + 1 + sum(len_ + 1 for len_, _ in gen.stats["steps"][: i + 1]) - 1
                              for i in range(n)]
 
 
