@@ -344,3 +344,36 @@ def test_a_down_database_store_is_bounded_by_the_timeout_too(tmp_path):
     from mlflow.store.db import utils as db_utils
 
     assert db_utils.MAX_RETRY_COUNT == 10  # MLflow's own default is back after our calls
+
+
+def test_upload_leaves_a_result_alone_while_its_run_is_sending_it(tmp_path, live_uri, monkeypatch):
+    # A result JSON is on disk, unsent, while `record` logs its run (RUNNING): an upload at that moment deleted
+    # the run as a dead attempt and sent the result again, under the feet of the process still logging it.
+    from mlflow.tracking import MlflowClient
+
+    tcfg = TrackingConfig(uri=live_uri, results_dir=str(tmp_path), experiment=f"live-{uuid.uuid4().hex[:8]}")
+    result = fake_result("being-sent", 6.0)
+    path = tracking.json_path(result, tcfg)
+    seen: dict = {}
+    real_log = tracking.log_to_mlflow
+
+    def log_while_an_upload_runs(res, target, *args, **kwargs):
+        c = MlflowClient(live_uri)
+        exp = c.get_experiment_by_name(target.experiment)
+        exp_id = exp.experiment_id if exp else c.create_experiment(target.experiment)
+        half = c.create_run(exp_id, tags={RESULT_KEY_TAG: res.tags[RESULT_KEY_TAG]})  # this process's run, RUNNING
+        seen["unsent_on_disk"] = json.loads(path.read_text())["mlflow_run_id"] == ""
+        seen["upload"] = tracking.upload(tmp_path, dataclasses.replace(target, enabled=True))
+        seen["half_status"] = c.get_run(half.info.run_id).info.lifecycle_stage
+        c.delete_run(half.info.run_id)  # (the real logger finishes its own run; this one stands in for it)
+        return real_log(res, target, *args, **kwargs)
+
+    monkeypatch.setattr(tracking, "log_to_mlflow", log_while_an_upload_runs)
+    assert tracking.record(result, tcfg) == path
+    assert seen == {"unsent_on_disk": True, "upload": (0, 1), "half_status": "active"}, seen
+    runs = [r for r in runs_of(live_uri, tcfg.experiment)]
+    assert [r.info.status for r in runs] == ["FINISHED"]
+    assert json.loads(path.read_text())["mlflow_run_id"] == runs[0].info.run_id
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # the lock file went with the lock
+    with tracking.sending(path, wait=False) as held:  # and nothing holds it now
+        assert held

@@ -13,9 +13,13 @@ when the retries run out the failure is reported on the result and the run still
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import logging
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from harness.config import TrackingConfig
@@ -49,18 +53,59 @@ def record(result: Result, tcfg: TrackingConfig, path: Path | None = None, paren
     result_key(result)
     if parent_run_id:
         result.tags[PARENT_TAG] = parent_run_id  # so a later `upload` nests it under the same sweep run
-    written = save_result(path, result, final=not tcfg.enabled)
     if not tcfg.enabled:
-        return written or path
+        return save_result(path, result, final=True) or path
+    with sending(path, wait=True):  # the JSON looks unsent until its run is logged: no `upload` may take it meanwhile
+        save_result(path, result, final=False)
+        try:
+            result.mlflow_run_id = log_to_mlflow(result, tcfg, parent_run_id, artifacts)
+            for child in child_results(result):  # a load run's rates, nested under it
+                log_to_mlflow(child, tcfg, result.mlflow_run_id)
+        except Exception as exc:  # noqa: BLE001 - the JSON holds the numbers; `upload` sends them later
+            result.tags["tracking_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log.error("MLflow logging failed (%s); result kept in %s; re-send with: %s %s --uri %s",
+                      result.tags["tracking_error"], path, UPLOAD, path.parent, tcfg.resolved_uri())
+        return save_result(path, result, final=True) or path
+
+
+@contextlib.contextmanager
+def sending(path: Path, wait: bool) -> Iterator[bool]:
+    """Hold `.<name>.sending` beside a result JSON while it is sent to MLflow; yields whether it is held.
+
+    A result JSON is written before its run is logged, so until `record` ends it looks unsent, and its half-made
+    MLflow run is RUNNING: an `upload` at that moment (a store on a server has no store lock) would delete that
+    run as a dead attempt and send the result a second time. `upload` takes this lock without waiting and skips
+    a result whose sender is alive. A lock file that cannot be made (read-only folder) locks nothing.
+    The file goes when the lock does; whoever waited for it checks that the file it holds is still the one on
+    disk (else it locked a removed file, and tries again).
+    """
+    lock = Path(path).with_name(f".{Path(path).name}.sending")
+    while True:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)  # record's first result in a new folder
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield True
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            yield False
+            return
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except OSError:
+            same = False
+        if same:
+            break
+        os.close(fd)
     try:
-        result.mlflow_run_id = log_to_mlflow(result, tcfg, parent_run_id, artifacts)
-        for child in child_results(result):  # a load run's rates, nested under it
-            log_to_mlflow(child, tcfg, result.mlflow_run_id)
-    except Exception as exc:  # noqa: BLE001 - the JSON holds the numbers; `upload` sends them later
-        result.tags["tracking_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        log.error("MLflow logging failed (%s); result kept in %s; re-send with: %s %s --uri %s",
-                  result.tags["tracking_error"], path, UPLOAD, path.parent, tcfg.resolved_uri())
-    return save_result(path, result, final=True) or path
+        yield True
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()
+        os.close(fd)
 
 
 def child_results(result: Result) -> list[Result]:
@@ -104,6 +149,15 @@ def _target(tcfg: TrackingConfig, own: dict | None, own_experiment: bool) -> Tra
 
 def _send(path: Path, result: Result, target: TrackingConfig) -> bool:
     """Log one result (once: `already_sent` finds a run whose JSON update was lost) and note its run id."""
+    with sending(path, wait=False) as held:
+        if not held:
+            log.error("upload of %s skipped: the run that wrote it is sending it to MLflow now; upload again once "
+                      "it has ended", path)
+            return False
+        return _send_held(path, result, target)
+
+
+def _send_held(path: Path, result: Result, target: TrackingConfig) -> bool:
     try:
         result.tags.pop("tracking_error", None)
         sent = already_sent(result, target)
