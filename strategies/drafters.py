@@ -1,19 +1,26 @@
 """The drafters of speculative decoding (strategies/speculative.py) and the forward they share with its loop.
 
-A drafter has `reset()` (a new prompt), `propose(seq, k) -> up to k tokens` and `rollback(keep)` (drop what the
-target rejected), and counts what it read since `reset()` for the roofline: `forwards` (draft-model forwards,
-each a read of its weights) and `kv_read` (KV positions those forwards attended over). `ModelDrafter`: greedy
+A drafter has `reset()` (a new prompt), `prefill(prompt)` (inside TTFT, as the target's prefill),
+`propose(seq, k) -> up to k tokens` and `rollback(keep)` (drop what the target rejected), and counts what its
+decode-phase work read since `reset()` for the roofline: `forwards` (draft-model forwards, each a read of its
+weights) and `kv_read` (KV positions those forwards attended over); the prefill is not a decode step's.
+Also here: the draft model's checks before it loads (`source_vocab`, `as_draft` for its error messages). `ModelDrafter`: greedy
 proposals from a draft model with its own KV cache; `LookupDrafter`: prompt lookup, no model (reads neither).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from harness import gguf_meta
+from harness.errors import ConfigError, QuantbenchError
 from strategies.decode import OneDnnOff
 
 
@@ -56,9 +63,14 @@ class ModelDrafter:
         self.cache, self.n = DynamicCache(config=self.model.config), 0
         self.forwards = self.kv_read = 0
 
+    def prefill(self, prompt: list[int]) -> None:
+        """The prompt into the draft cache (TTFT's work, so not counted in `forwards`/`kv_read`)."""
+        run_forward(self.model, prompt, 0, self.cache, self.device, last=True)
+        self.n = len(prompt)
+
     def propose(self, seq: list[int], k: int) -> list[int]:
         out: list[int] = []
-        ids = seq[self.n:]  # the first call prefills the whole prompt; later ones feed 1-2 tokens
+        ids = seq[self.n:]  # 1-2 tokens: what the target added since (the whole prompt if `prefill` was skipped)
         for _ in range(k):
             logits = run_forward(self.model, ids, self.n, self.cache, self.device, last=True,
                                  gemv_aten=self.gemv_aten)
@@ -85,6 +97,9 @@ class LookupDrafter:
     def reset(self) -> None:
         pass
 
+    def prefill(self, prompt: list[int]) -> None:
+        pass
+
     def propose(self, seq: list[int], k: int) -> list[int]:
         for n in range(min(self.ngram_max, len(seq) - 1), self.ngram_min - 1, -1):
             tail = seq[-n:]
@@ -95,3 +110,35 @@ class LookupDrafter:
 
     def rollback(self, keep: int) -> None:
         pass
+
+
+def as_draft(exc: QuantbenchError) -> QuantbenchError:
+    """A model's error about the draft model: its messages name `model.<key>`, the key is strategy.draft_model's."""
+    def fix(line: str) -> str:
+        # a setting's name (at the start, after a space, `(` or a backquote), never a path's `.../model.Q4_0.gguf`
+        return re.sub(r"(?<![^\s(`])model\.(?=[a-z_])", "strategy.draft_model.", line)
+    if isinstance(exc, ConfigError):
+        return ConfigError([fix(p) for p in exc.problems])
+    try:
+        return type(exc)(fix(str(exc)))  # Unsupported stays Unsupported (a sweep records SKIPPED)
+    except TypeError:
+        return QuantbenchError(fix(str(exc)))
+
+
+def source_vocab(source: Any) -> dict[str, int]:
+    """Token -> id map of a model source, read from tokenizer files (no model weights are loaded)."""
+    gguf = source.gguf_path
+    if gguf is not None:
+        tokens = gguf_meta.read(gguf).fields["tokenizer.ggml.tokens"]
+        return {bytes(tokens.parts[i]).decode("utf-8", "replace"): n for n, i in enumerate(tokens.data)}
+    local = Path(source.local_dir())
+    tj = local / "tokenizer.json"
+    if tj.is_file():
+        data = json.loads(tj.read_text())
+        vocab = dict(data.get("model", {}).get("vocab") or {})
+        vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+        if vocab:
+            return vocab
+    from transformers import AutoTokenizer
+
+    return dict(AutoTokenizer.from_pretrained(str(local), trust_remote_code=False).get_vocab())

@@ -6,6 +6,9 @@ quantizer configs) and `prompt_lookup` (copy the continuation of the latest earl
 prompt + output; no model). transformers' assisted generation hides acceptance counts and per-step
 times, so this loop is written out.
 
+TTFT holds both prefills, the target's and the draft model's (a server fills both caches before it answers), so
+the decode phase, as greedy's, holds decode steps only.
+
 KV caches: the target's cache always holds every token but the newest (which is fed next). Rejected
 draft tokens leave stale entries in both caches; they are cropped before the next step, so no step
 ever attends to a token that is not in the output. Batch 1 has no padding: the attention mask is all
@@ -37,14 +40,10 @@ reference runs without them, so the injected work is sized from speculative step
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
-from harness import gguf_meta
 from harness.analysis.roofline import StepWork, shape_from_torch
 from harness.errors import ConfigError, QuantbenchError, one_of
 from harness.measure import Generation, grad_mode, model_grad_mode, near_tie, now, percentile, resolve_device, sync
@@ -53,7 +52,7 @@ from quantizers.base import audit_model
 from quantizers.dtype import Dtype
 from strategies.base import DecodeOptions, Strategy
 from strategies.decode import greedy_generate
-from strategies.drafters import LookupDrafter, ModelDrafter, crop_to, run_forward
+from strategies.drafters import LookupDrafter, ModelDrafter, as_draft, crop_to, run_forward, source_vocab
 from strategies.inject import injected_step
 
 DRAFTS = ("model", "prompt_lookup")
@@ -78,6 +77,7 @@ def speculative_loop(target: Any, prompt: list[int], opts: DecodeOptions, drafte
     sync(device)
     t0 = now()
     first = int(run_forward(target, prompt, 0, cache, device, last=True)[-1].argmax())
+    drafter.prefill(prompt)  # the draft model's prefill is prefill too: in TTFT, as a server fills both caches first
     sync(device)
     t_first = now()  # the first token is on the host: the decode phase's wall clock starts here
     ttft = t_first - t0
@@ -153,38 +153,6 @@ def tie_note(model: Any, prompt: list[int], want: list[int], at: int) -> str:
         return (f"the target's top-2 logits there differ by only {gap:.4f} in {dtype}: verifying several tokens "
                 "in one forward rounds differently from one-token decode; use a float32 target for exact equality")
     return f"the target's top-2 logits there differ by {gap:.4f}: not a rounding tie, the verify loop is wrong"
-
-
-def as_draft(exc: QuantbenchError) -> QuantbenchError:
-    """A model's error about the draft model: its messages name `model.<key>`, the key is strategy.draft_model's."""
-    def fix(line: str) -> str:
-        # a setting's name (at the start, after a space, `(` or a backquote), never a path's `.../model.Q4_0.gguf`
-        return re.sub(r"(?<![^\s(`])model\.(?=[a-z_])", "strategy.draft_model.", line)
-    if isinstance(exc, ConfigError):
-        return ConfigError([fix(p) for p in exc.problems])
-    try:
-        return type(exc)(fix(str(exc)))  # Unsupported stays Unsupported (a sweep records SKIPPED)
-    except TypeError:
-        return QuantbenchError(fix(str(exc)))
-
-
-def source_vocab(source: Any) -> dict[str, int]:
-    """Token -> id map of a model source, read from tokenizer files (no model weights are loaded)."""
-    gguf = source.gguf_path
-    if gguf is not None:
-        tokens = gguf_meta.read(gguf).fields["tokenizer.ggml.tokens"]
-        return {bytes(tokens.parts[i]).decode("utf-8", "replace"): n for n, i in enumerate(tokens.data)}
-    local = Path(source.local_dir())
-    tj = local / "tokenizer.json"
-    if tj.is_file():
-        data = json.loads(tj.read_text())
-        vocab = dict(data.get("model", {}).get("vocab") or {})
-        vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
-        if vocab:
-            return vocab
-    from transformers import AutoTokenizer
-
-    return dict(AutoTokenizer.from_pretrained(str(local), trust_remote_code=False).get_vocab())
 
 
 @dataclass
@@ -319,6 +287,9 @@ class Speculative(Strategy):
                 raise QuantbenchError(f"{where} (strategy.match=strict); {tie_note(model, batch[0], want, at)}")
             with opts.off_meter():
                 flips, gap = near_tie.replay(lambda: greedy_generate(model, batch, quiet), quiet, [got])
+            if flips == 0:  # greedy made to follow them flipped none: a cut or a run past EOS, not a near-tie
+                raise QuantbenchError(f"{where}; no near-tie flip explains it ({len(got)} tokens against greedy's "
+                                      f"{len(want)}): the speculative loop computes something else")
             if gap > near_tie.NEAR_TIE_ULPS:
                 raise QuantbenchError(f"{where}: plain greedy scores a speculative token {gap:.1f} ulps below its top "
                                       f"choice (more than the {near_tie.NEAR_TIE_ULPS:g} a rounding flip of a near-tie "

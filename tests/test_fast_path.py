@@ -82,6 +82,10 @@ def test_mismatch_between_compiled_and_eager_fails_the_run():
         fast_path.check_match(Greedy(), model, batches, lambda b: opts, gens)
     with pytest.raises(QuantbenchError, match="compile_match=strict"):
         fast_path.check_match(Greedy(), model, batches, lambda b: opts, gens, policy="strict")
+    gens[0].sequences[0][3] -= 1
+    gens[0].sequences[0].pop()  # a compiled run cut short: eager made to follow it never flips, no gap to measure
+    with pytest.raises(QuantbenchError, match="no near-tie flip explains it .5 tokens against eager's 6"):
+        fast_path.check_match(Greedy(), model, batches, lambda b: opts, gens)
 
 
 def test_the_check_decodes_each_batch_at_the_length_it_was_timed_with():

@@ -203,6 +203,62 @@ def test_greedy_mismatch_fails_the_run(target, monkeypatch):
         strategy.generate(target, [PROMPTS[0]], DecodeOptions(max_new_tokens=6))
 
 
+
+@pytest.mark.parametrize("fault", ["cut", "past_eos"])
+def test_a_speculative_output_of_another_length_fails_the_run(target, monkeypatch, fault):
+    # Greedy replayed with the speculative tokens forced never flips at a cut (the forced tokens end early) or past
+    # an EOS (greedy stops there): no gap to measure, so the near-tie check passed both, greedy_match=0 and no word.
+    import strategies.speculative as spec
+
+    real = spec.speculative_generate
+    free = greedy_generate(target, [PROMPTS[0]], DecodeOptions(max_new_tokens=8)).sequences[0]
+    eos = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])  # stops greedy after a few tokens
+    opts = DecodeOptions(max_new_tokens=8, eos_token_id=eos, stop_at_eos=True)
+
+    def wrong_length(target_, prompt, opts_, *args, **kwargs):
+        if fault == "cut":
+            gen = real(target_, prompt, opts_, *args, **kwargs)
+            gen.sequences[0].pop()
+            return gen
+        return real(target_, prompt, DecodeOptions(max_new_tokens=opts_.max_new_tokens), *args, **kwargs)  # no stop
+
+    monkeypatch.setattr(spec, "speculative_generate", wrong_length)
+    strategy = spec.Speculative(draft="prompt_lookup")
+    strategy.setup(model=target, tokenizer=None, opts=DecodeOptions(), experiment=None)
+    with pytest.raises(QuantbenchError, match="no near-tie flip explains it"):
+        strategy.generate(target, [PROMPTS[0]], opts)
+
+
+def test_the_draft_models_prefill_is_in_ttft_not_in_the_decode_steps(target, drafts, monkeypatch):
+    # The draft model's prefill of the prompt ran inside the first decode step: the decode phase's tokens/s, ITL and
+    # draft_ms_per_step each carried a whole prefill that greedy's decode phase does not have.
+    import strategies.drafters as dr
+
+    clock = iter(range(10**6))
+    seen: list[tuple[int, int, int]] = []  # (prompt tokens fed, start position, tick) of every draft forward
+    real = dr.run_forward
+
+    def spy(model, ids, start, *args, **kwargs):
+        if model is draft:
+            seen.append((len(ids), start, next(clock)))
+        return real(model, ids, start, *args, **kwargs)
+
+    monkeypatch.setattr(dr, "run_forward", spy)
+    import strategies.speculative as spec
+
+    reads: list[int] = []  # ticks of the loop's clock reads: t0, then t_first (the decode phase starts there)
+    real_now = spec.now
+    monkeypatch.setattr(spec, "now", lambda: (reads.append(next(clock)), real_now())[1])
+    draft, prompt = drafts["other_seed"], PROMPTS[3]
+    gen = speculative_generate(target, prompt, DecodeOptions(max_new_tokens=8), ModelDrafter(draft, "cpu"), 3)
+    prefills = [s for s in seen if s[0] == len(prompt)]
+    assert len(prefills) == 1 and prefills[0][1] == 0, seen
+    assert reads[0] < prefills[0][2] < reads[1], (reads, seen)  # inside TTFT
+    assert all(n <= 2 and start >= len(prompt) for n, start, _ in seen if (n, start, _) != prefills[0]), seen
+    assert gen.stats["draft_forwards"] == len(seen) - 1  # decode-phase forwards only (the roofline's)
+    ref = greedy_generate(target, [prompt], DecodeOptions(max_new_tokens=8)).sequences[0]
+    assert gen.sequences[0] == ref
+
 class TieHead(torch.nn.Module):
     """An lm_head that puts token b's logit exactly one bf16 ulp below token a's: wherever a is greedy's choice,
     b is the runner-up at a genuine near-tie (the situation bf16 SmolLM2 shows at a few positions per prompt)."""

@@ -373,6 +373,9 @@ def check_match(strategy: Any, model: Any, batches: list[list[list[int]]], opts_
                 raise QuantbenchError(f"{where} (measure.compile_match=strict)")
             n, gap = near_tie_replay(strategy, model, batch, opts, gen.sequences)
             flips, worst = flips + n, max(worst, gap)
+            if n == 0:  # eager, made to follow the compiled tokens, never had to flip one: a cut or an extra token
+                raise QuantbenchError(f"{where}; no near-tie flip explains it ({len(b)} tokens against eager's "
+                                      f"{len(a)}): the compiled step computes something else")
             if gap > NEAR_TIE_ULPS:
                 raise QuantbenchError(f"{where}: eager scores a compiled token {gap:.1f} ulps below its top choice "
                                       f"(more than the {NEAR_TIE_ULPS:g} a rounding flip of a near-tie can explain): "
