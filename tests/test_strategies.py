@@ -445,7 +445,9 @@ def test_speculative_alternates_the_greedy_reference(target, monkeypatch):
 
 
 def test_continuous_batch_itl_is_per_request(monkeypatch):
-    """Hand-computed from scripted request timestamps (transformers' generate_batch replaced by a fake)."""
+    """Hand-computed from scripted request timestamps and forward starts (transformers' generate_batch replaced by
+    a fake). The decode phase is the forwards that start while no prompt is processed: the window from the first
+    token to the last (used before) was mostly other requests' prefill, also counted in prefill_s."""
     from types import SimpleNamespace
 
     import strategies.continuous_batch as cb
@@ -458,21 +460,36 @@ def test_continuous_batch_itl_is_per_request(monkeypatch):
     outputs = {r.request_id: r for r in (req(0, 100.5, [101.0, 102.0, 104.0]),
                                           req(1, 101.5, [103.0, 103.5, 105.0, 106.0]),
                                           req(2, 100.6, [101.2]))}
-    model = SimpleNamespace(generate_batch=lambda **kwargs: outputs,
-                            register_forward_pre_hook=lambda fn: SimpleNamespace(remove=lambda: None))
-    clock = iter([100.0, 107.0])
+    # prompts are processed over [100.5, 101.2) and [101.5, 103.0): the first four forwards are prefill's
+    forwards = [100.5, 101.1, 101.5, 102.5, 103.2, 103.8, 104.5, 105.5]
+    hooks: list = []
+
+    def generate_batch(**kwargs):
+        for _ in forwards:
+            for fn in hooks:
+                fn(None, None)
+        return outputs
+
+    model = SimpleNamespace(generate_batch=generate_batch,
+                            register_forward_pre_hook=lambda fn: (hooks.append(fn), SimpleNamespace(remove=lambda: None))[1])
+    clock = iter([100.0, *forwards, 107.0])
     monkeypatch.setattr(cb, "now", lambda: next(clock))
     gen = cb.ContinuousBatch(requests=3).generate(model, [[1, 2], [3, 4, 5], [6]], DecodeOptions(max_new_tokens=4))
     assert gen.step_s == [1.0, 2.0, 0.5, 1.5, 1.0]  # each request's own gaps, never across requests
-    assert gen.decode_tokens == 8 - 3 and gen.decode_wall_s == 106.0 - 101.0  # first to last token of the stream
+    # 104.0, 103.5, 105.0, 106.0 came from decode-only forwards (102.0 rode on a prefill forward), over their
+    # wall clock: 103.2 .. 106.0, the last token
+    assert gen.decode_tokens == 4 and gen.decode_wall_s == pytest.approx(106.0 - 103.2)
+    assert gen.stats["decode_forwards"] == 4 and gen.stats["all_decode_tokens"] == 8 - 3
     assert gen.ttft_s == 1.0
     assert gen.prefill_s == pytest.approx((101.2 - 100.5) + (103.0 - 101.5))  # union of [scheduled, first token]
     m = summarize([gen])
-    assert m["itl_ms_p50"] == pytest.approx(1000.0) and m["decode_tokens_per_s"] == pytest.approx(1.0)
+    assert m["itl_ms_p50"] == pytest.approx(1000.0) and m["decode_tokens_per_s"] == pytest.approx(4 / 2.8)
     assert m["prompt_tokens_per_s"] == pytest.approx(6 / 2.2)
     m.update(cb.ContinuousBatch(requests=3).metrics([gen]))  # as the pipeline merges them: strategy last
     assert m["ttft_ms"] == pytest.approx(1200.0) and m["ttft_ms_p90"] == m["request_ttft_ms_p90"]  # per request
-    assert m["e2e_ms"] == pytest.approx(1000.0 * (1.0 + 5.0))  # the call's: its first token, then the stream
+    assert m["e2e_ms"] == pytest.approx(1000.0 * (106.0 - 100.0))  # the call's: from its start to the last token
+    assert m["decode_step_tokens_per_s"] == pytest.approx(5 / 6.0)  # every decode token over the request gaps
+    assert m["decode_tokens_per_step"] == pytest.approx(1.0)
 
 
 def test_a_stream_shorter_than_the_prompt_set_is_refused_before_any_weights_load(compose, results_overrides,

@@ -89,7 +89,7 @@ def test_continuous_batch_prefills_every_request_unless_sharing_is_asked_for(tar
         gen = strategy.generate(target, strategy.batches(prompts)[0], DecodeOptions(max_new_tokens=4))
     finally:
         strategy.teardown()
-    assert gen.prompt_tokens == 1600 and gen.decode_tokens == 16 * 3
+    assert gen.prompt_tokens == 1600 and gen.stats["all_decode_tokens"] == 16 * 3
     assert (sum(shared) > 0) is sharing, shared
 
 
