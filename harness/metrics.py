@@ -98,7 +98,7 @@ _TABLE: list[Metric] = [
     Metric("batch_size", "count", _N, "decode", "prompts decoded together"),
     Metric("decode_tokens_per_step", "tokens", _N, "decode",
            "real tokens a decode step emitted on average: below batch_size when rows finished at EOS early, "
-           "or (continuous batching) per scheduler forward"),
+           "or (continuous batching) per decode-only scheduler forward"),
     Metric("aggregate_tokens_per_s", "tokens/s", _H, "decode",
            "batched strategies: all generated tokens / whole call time, prefill included"),
     Metric("per_sequence_tokens_per_s", "tokens/s", _H, "decode", "static batch: median decode tokens/s of one row"),
