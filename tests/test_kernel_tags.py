@@ -71,3 +71,22 @@ def test_the_profiled_kernel_is_a_dispatcher_op_every_body_layer_calls(quantizer
     assert tags["kernel.linear_calls_per_step"] == "14", tags  # q k v o gate up down x 2 layers
     if quantizer == "bnb_int8":
         assert tags["kernel.linear"] == "aten::_int_mm", tags
+
+
+def test_the_profile_decodes_no_longer_than_the_run():
+    """A compiled path's static cache is sized for the run's prompts and max_new_tokens; the profile asked for
+    PROFILE_TOKENS + 1 tokens, and a 4-token compiled run was tagged "profile failed: ... needs 37 cache slots but
+    the compiled path was sized for 36"."""
+    from harness.models import TinyRandom, load_pretrained
+
+    seen = []
+
+    class Spy(Greedy):
+        def generate(self, model, batch, opts):
+            seen.append(opts.max_new_tokens)
+            return super().generate(model, batch, opts)
+
+    model = load_pretrained(TinyRandom(), "float32", "cpu")
+    tags = kernels.profile_linear(Spy(), model, [[5, 6, 7]], DecodeOptions(max_new_tokens=3))[0]
+    assert seen == [3] and tags["kernel.profiled"] == "2 decode steps", (seen, tags)
+    assert not tags["kernel.linear"].startswith("profile failed"), tags

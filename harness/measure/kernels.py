@@ -216,8 +216,14 @@ def whole_scope(strategy: Any, tokens: int) -> str:
 
 def profile_linear(strategy: Any, model: Any, batch: list[list[int]], opts: Any,
                    tokens: int = PROFILE_TOKENS) -> tuple[dict[str, str], dict[str, float]]:
-    """Profile `tokens` decode steps of one generation of `batch`; returns (tags, metrics)."""
+    """Profile `tokens` decode steps of one generation of `batch`; returns (tags, metrics).
+
+    At most the run's own length (`opts.max_new_tokens`): a compiled path's static cache is sized for the run's
+    prompts and tokens, and a longer profile failed on it ("needs 37 cache slots ... sized for 36").
+    """
     from torch.profiler import ProfilerActivity, profile
+
+    tokens = max(1, min(tokens, opts.max_new_tokens - 1))
 
     on_cuda = model_device(model).startswith("cuda")
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
