@@ -368,3 +368,15 @@ def test_sections_that_compare_cells_do_so_within_one_machine(tmp_path):
     assert "0.50" not in text  # no int4 row divided by the other CPU's bf16 row
     figs = sorted(str(p.relative_to(tmp_path)) for p in paths if p.name == "scaling.png")
     assert len(figs) == 2 and all("/" in f for f in figs) and f"{figs[0]}" in text.replace("Figure: ", "")
+
+
+def test_report_all_skips_an_unreadable_cell_file_with_one_line(tmp_path, caplog):
+    """`--all` read every cells/*.json with json.loads: one truncated file (a copy cut short) ended in a traceback."""
+    write_sweep(tmp_path, "ra", [(f"quantizer={q}", {"quantizer": {"name": q}}, {"quantizer.name": q, **CPU}, 1.0)
+                                 for q in ("none", "bf16")])
+    cut = cell_path(tmp_path / "ra", "h1")
+    cut.write_text(cut.read_text()[:40])
+    assert report.main([str(tmp_path / "ra"), "--all", "--out", str(tmp_path / "out")]) == 0
+    assert [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()] == \
+        [f"skipped {cut}: not a readable result JSON (truncated, or not a cell result)"]
+    assert "1 cell(s): 1 OK" in (tmp_path / "out" / "report.md").read_text()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.cache import LOCK_ENV
+from harness.config import TrackingConfig
 from harness.records.results import cell_path
 from harness.run.runner import Result
 from harness.sweep import resume
@@ -254,3 +255,94 @@ def test_a_cell_on_this_machine_holds_its_turn_through_its_record(compose, state
     assert run_cell(compose([*TINY, f"tracking.results_dir={tmp_path}", "tracking.enabled=false"])) == 0
     assert held == {"child": True, "child_exclusive": False, "record": True}
     assert not turn_taken()  # released when the cell ends
+
+
+# --------------------------------------------------------------------------------- upload and the report
+def _finished_sweep(tmp_path: Path, planned: int = 2) -> tuple[SweepState, TrackingConfig]:
+    """A sweep of a none and a bf16 cell, logged to tmp_path/mlflow.db under its parent run (finish_sweep ends it)."""
+    from harness.sweep.parent import open_parent_run
+
+    tcfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="up", results_dir=str(tmp_path))
+    st = SweepState(name="up", folder=str(tmp_path / "up"), invocation="inv1", commit="c", owner=owner_id(),
+                    tracking=vars(tcfg).copy(), planned=planned)
+    st.parent_run_id = open_parent_run(st, "")
+    for q in ("none", "bf16"):
+        r = Result(status="OK", config={"quantizer": {"name": q}}, metrics={"decode_tokens_per_s": 1.0},
+                   config_hash=q * 4, started=time.time(), ended=time.time(), tags={"quantizer.name": q})
+        append_manifest(st, r.config_hash, f"quantizer={q}")
+        record_cell(r, cell_path(Path(st.folder), r.config_hash), st, f"quantizer={q}", {}, None, tcfg)
+    st.save()
+    return st, tcfg
+
+
+def test_an_upload_that_cannot_send_a_cell_still_ends_the_parent_run_as_the_sweep_ended(tmp_path, monkeypatch):
+    """A finished sweep (parent FINISHED, status OK) with one cell unsent: `upload` re-opened the parent run to nest
+    the cell and ended it only once every cell was in, so one cell MLflow refused left it RUNNING (and the next
+    sweep's start marked it KILLED)."""
+    from mlflow.tracking import MlflowClient
+
+    from harness.records import tracking
+
+    st, tcfg = _finished_sweep(tmp_path)
+    assert finish_sweep(st) == 0
+    path = cell_path(Path(st.folder), "none" * 4)  # its run never reached MLflow (another result key: no match)
+    data = json.loads(path.read_text())
+    data["mlflow_run_id"], data["tags"]["result_key"] = "", "unsent-key"
+    path.write_text(json.dumps(data))
+    real = tracking.log_to_mlflow
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("simulated: database is locked")
+
+    monkeypatch.setattr(tracking, "log_to_mlflow", refuse)
+    assert tracking.upload(tmp_path, tcfg) == (0, 1)
+    run = MlflowClient(tcfg.uri).get_run(st.parent_run_id)
+    assert (run.info.status, run.data.tags["status"]) == ("FINISHED", "OK")
+    assert run.data.tags["summary"].startswith("2 OK; 1 cell(s) not sent to MLflow by upload"), run.data.tags
+    assert json.loads((Path(st.folder) / "sweep.json").read_text())["parent_closed"] is True
+
+    monkeypatch.setattr(tracking, "log_to_mlflow", real)  # the store takes it now: sent, and ended again
+    assert tracking.upload(tmp_path, tcfg) == (1, 0)
+    run = MlflowClient(tcfg.uri).get_run(st.parent_run_id)
+    assert (run.info.status, run.data.tags["status"], run.data.tags["summary"]) == ("FINISHED", "OK", "2 OK")
+    assert json.loads(path.read_text())["mlflow_run_id"]
+
+
+def test_jobs_that_never_reported_are_listed_and_counted_in_the_report(tmp_path, capsys):
+    """4 jobs planned, 2 reported, one died after adding itself to the manifest, one before: the terminal and the
+    parent's summary said "2 never reported", but report.md (logged to the parent too) showed 2 cells, all OK."""
+    from harness.records import report
+
+    st, _ = _finished_sweep(tmp_path, planned=4)
+    append_manifest(st, "int8" * 4, "quantizer=int8")  # a job that died before writing cells/<hash>.json
+    assert finish_sweep(st) == 1
+    out = capsys.readouterr().out
+    assert report.main([st.folder, "--out", str(tmp_path / "again")]) == 0  # regenerated from the folder: the same
+    for md in (Path(st.folder) / "report.md", tmp_path / "again" / "report.md"):
+        text = md.read_text()
+        assert "4 cell(s): 2 NOT REPORTED, 2 OK." in text, text
+        did_not_finish = text.split("## Cells that did not finish", 1)[1]
+        assert "- **quantizer=int8** [NOT REPORTED]: the job died, or could not write its result" in did_not_finish
+        assert "- **unnamed job 1** [NOT REPORTED]: the job never started" in did_not_finish
+    assert "2 OK, 2 never reported" in out and "  [NOT REPORTED] quantizer=int8: the job died" in out, out
+
+
+def test_a_resumed_sweeps_parent_run_gives_back_only_the_drift_probes_of_its_latest_invocation(tmp_path):
+    """A resumed sweep keeps one parent run: inv1 probed both cells, inv2 only the none cell. bf16's drift_probe.*
+    metrics from inv1 stayed on the run and the MLflow report read them back as inv2's."""
+    from harness.records import sweeps
+    from harness.sweep.parent import close_parent_run, open_parent_run
+
+    st, tcfg = _finished_sweep(tmp_path)
+
+    def probe(chash: str, tps: float) -> dict:
+        return {"status": "OK", "metrics": {"decode_tokens_per_s": tps}, "tags": {sweeps.OF_TAG: chash}}
+
+    assert close_parent_run(st, "OK", "2 OK", [], [probe("none" * 4, 10.0), probe("bf16" * 4, 20.0)])
+    first = st.parent_run_id
+    st.invocation = "inv2"
+    st.parent_run_id = open_parent_run(st, first)
+    assert st.parent_run_id == first  # a resume re-opens the one parent run
+    assert close_parent_run(st, "OK", "2 OK", [], [probe("none" * 4, 11.0)])
+    got = sweeps.latest_from_mlflow(tcfg.uri, "up", "up")
+    assert {p["tags"][sweeps.OF_TAG]: p["metrics"]["decode_tokens_per_s"] for p in got.probes} == {"none" * 4: 11.0}

@@ -145,7 +145,7 @@ def cell_path(folder: Path, chash: str) -> Path:
     return Path(folder) / "cells" / f"{chash}.json"
 
 
-def _entries(folder: Path, invocation: str | None) -> list[dict]:
+def manifest_entries(folder: Path, invocation: str | None) -> list[dict]:
     """The manifest lines of one invocation (default: the latest), in launch order: one per job."""
     if invocation is None:
         invocation = (read_json(folder / "sweep.json") or {}).get("invocation")
@@ -167,14 +167,14 @@ def _entries(folder: Path, invocation: str | None) -> list[dict]:
 def reported_jobs(folder: Path, invocation: str | None = None) -> int:
     """The jobs of one invocation whose cell has a result: two jobs of one config hash (cells that differ only in
     sweep.* or tracking.* keys, which the hash leaves out) share one result, and both reported."""
-    return sum(cell_path(Path(folder), e["hash"]).is_file() for e in _entries(Path(folder), invocation))
+    return sum(cell_path(Path(folder), e["hash"]).is_file() for e in manifest_entries(Path(folder), invocation))
 
 
 def invocation_cells(folder: Path, invocation: str | None = None) -> list[dict]:
     """The cell results of one invocation (default: the latest), in launch order, one per config hash."""
     folder = Path(folder)
     seen: dict[str, dict] = {}
-    for entry in _entries(folder, invocation):
+    for entry in manifest_entries(folder, invocation):
         data = read_json(cell_path(folder, entry["hash"]))
         if data is not None:
             tags = data.setdefault("tags", {})

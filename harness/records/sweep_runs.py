@@ -5,8 +5,9 @@ writes how it ended into `<sweep>/sweep.json` (`status`, `summary`, `reports`, `
 MLflow was down at either end, `upload` (harness/records/tracking.py) settles the sweep from that file:
 `adopt_parent` finds the parent run the sweep had (or had on an earlier invocation) in the store it sends
 to, or creates one, so the uploaded cells nest under one parent again; `close_parent` then ends it with the
-status the sweep recorded. The adopted id goes back into sweep.json, so a later resume re-opens that run
-instead of logging every reused cell a second time under a new one.
+status the sweep recorded, also when a cell could not be sent (its summary counts them). The adopted id goes
+back into sweep.json, so a later resume re-opens that run instead of logging every reused cell a second time
+under a new one.
 """
 
 from __future__ import annotations
@@ -59,9 +60,12 @@ def close_parent(tcfg: TrackingConfig, rid: str, status: str, summary: str, arti
     status. Best effort: returns False (and logs why) when MLflow refused."""
     c = client(tcfg)
     try:
-        for key, val in sweeps.probe_parent_metrics(probes or []).items():
+        metrics = sweeps.probe_parent_metrics(probes or [])
+        for key, val in metrics.items():
             retry(lambda k=key, v=val: c.log_metric(rid, k, v), tcfg, "mlflow log_metric")
-        if probes:
+        if probes:  # which of the run's drift_probe.* metrics are this invocation's: an earlier one's stay on it
+            retry(lambda: c.set_tag(rid, sweeps.PROBED_HASHES_TAG, sweeps.probed_hashes(metrics)), tcfg,
+                  "mlflow set_tag")
             retry(lambda: c.set_tag(rid, sweeps.PROBED_TAG, invocation), tcfg, "mlflow set_tag")
         for path in artifacts:
             if Path(path).exists():
@@ -105,10 +109,13 @@ def adopt_parent(tcfg: TrackingConfig, state: dict) -> str:
     return open_parent(tcfg, tags, [state.get("parent_run_id", ""), state.get("earlier_parent_run_id", "")])
 
 
-def settle(tcfg: TrackingConfig, folder: Path, state: dict, parent: str) -> bool:
-    """End an adopted parent run as the sweep ended (KILLED when it never recorded an end: killed -9)."""
+def settle(tcfg: TrackingConfig, folder: Path, state: dict, parent: str, unsent: int = 0) -> bool:
+    """End an adopted parent run as the sweep ended (KILLED when it never recorded an end: killed -9); its summary
+    counts the `unsent` cells this upload could not send (a later upload re-opens the run for them)."""
     status = state.get("status") or "KILLED"
     summary = state.get("summary") or "the sweep recorded no end (killed, or recorded by an older quantbench); cells uploaded later"
+    if unsent:
+        summary += f"; {unsent} cell(s) not sent to MLflow by upload (their JSONs are in {folder}/cells; upload again)"
     probes = sweeps.stored_probes(folder, state.get("invocation"))
     reports: list[Any] = [Path(p) for p in state.get("reports") or []]
     return close_parent(tcfg, parent, status, summary, reports, probes, state.get("invocation", ""))

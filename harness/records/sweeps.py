@@ -13,7 +13,7 @@ axis, and recommendations and dominance compare formats of one sweep only.
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,15 +25,25 @@ from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
 from harness.metrics import HEADLINE
 from harness.records.mlflow_runs import client, run_config
-from harness.records.results import invocation_cells, read_json, sweep_baseline
+from harness.records.results import (
+    cell_path,
+    invocation_cells,
+    manifest_entries,
+    read_json,
+    reported_jobs,
+    sweep_baseline,
+)
 from harness.records.rows import rows_for
 from harness.records.sqlite_seed import missing_store
 from harness.secret_uri import redact
 from harness.sweep.resume import REUSED_TAG
 
+log = logging.getLogger("quantbench")
 DRIFT_FILE = "drift.json"  # results/<sweep>/drift.json: the drift probe (harness/sweep/drift.py)
 OF_TAG = "drift_probe.of"  # the probe's tag: the config hash of the cell it repeats
 PROBED_TAG = "drift_probe.invocation"  # the parent run's tag: the invocation whose probes its metrics hold
+PROBED_HASHES_TAG = "drift_probe.hashes"  # and the config hashes that invocation probed, comma-separated
+NOT_REPORTED = "NOT REPORTED"  # report.md's status of a planned job that left no result
 
 
 @dataclass
@@ -51,12 +61,34 @@ def from_folder(folder: Path, all_cells: bool = False) -> Sweep:
         raise QuantbenchError(f"{folder} is not a sweep folder; pass results/<sweep> (run one with: "
                               "python run.py +experiment=smoke)")
     if all_cells:
-        cells = [json.loads(p.read_text()) for p in sorted((folder / "cells").glob("*.json"))]
+        cells = []
+        for path in sorted((folder / "cells").glob("*.json")):
+            if (data := read_json(path)) is None:  # a truncated or foreign file: one line, not a traceback
+                log.warning("skipped %s: not a readable result JSON (truncated, or not a cell result)", path)
+            else:
+                cells.append(data)
         return Sweep(folder.name, cells, stored_probes(folder), str(folder))
     state = read_json(folder / "sweep.json") or {}
     invocation = state.get("invocation")
-    return Sweep(folder.name, invocation_cells(folder), stored_probes(folder, invocation), str(folder),
+    cells = invocation_cells(folder)
+    if state.get("status") in ("OK", "FAILED"):  # ended, not killed: its report listed the jobs that never reported
+        cells += unreported(folder, invocation, int(state.get("planned") or 0) - reported_jobs(folder, invocation))
+    return Sweep(folder.name, cells, stored_probes(folder, invocation), str(folder),
                  baseline=str((state.get("sweep") or {}).get("baseline") or ""))
+
+
+def unreported(folder: Path, invocation: str | None, missing: int) -> list[dict]:
+    """Result dicts (status NOT_REPORTED) for the `missing` jobs of an invocation that left no result, so that the
+    report lists and counts them: its manifest entries with no cell file, by name, then one per job that never
+    wrote even its manifest line (it never started, or died first)."""
+    folder = Path(folder)
+    named = [e for e in manifest_entries(folder, invocation) if not cell_path(folder, e["hash"]).is_file()]
+    out = [{"status": NOT_REPORTED, "tags": {"sweep.cell": e.get("label") or e["hash"]},
+            "error": f"the job died, or could not write its result (no cells/{e['hash']}.json)"}
+           for e in named[:max(0, missing)]]
+    return out + [{"status": NOT_REPORTED, "tags": {"sweep.cell": f"unnamed job {i + 1}"},
+                   "error": "the job never started, or died before adding itself to manifest.jsonl"}
+                  for i in range(max(0, missing) - len(out))]
 
 
 @contextlib.contextmanager
@@ -185,17 +217,27 @@ def probe_parent_metrics(probes: list[dict]) -> dict[str, float]:
     return out
 
 
+def probed_hashes(parent_metrics: dict[str, float]) -> str:
+    """PROBED_HASHES_TAG's value for `probe_parent_metrics`' output (cut to MLflow's tag limit: a hash cut off is
+    not read back, which says "not measured" rather than reuse an older invocation's probe)."""
+    return ",".join(sorted({k.split(".", 2)[1] for k in parent_metrics}))[:5000]
+
+
 def probe_from_parent(metrics: dict, tags: dict) -> list[dict]:
     """The probes as result dicts, from the parent run's metrics: only when they come from the run's latest
-    invocation (a resumed sweep keeps one parent run; an older invocation's probes say nothing of this one)."""
+    invocation (a resumed sweep keeps one parent run; an older invocation's probes say nothing of this one), and
+    only those of the config hashes it probed (the metrics of the others stay on the run from an earlier one)."""
     if not tags.get(PROBED_TAG) or tags.get(PROBED_TAG) != tags.get("quantbench.invocation"):
         return []
+    mine = tags.get(PROBED_HASHES_TAG)  # None: a run closed before this tag was written, which keeps them all
+    keep = None if mine is None else set(mine.split(","))
     found: dict[str, dict] = {}
     for key, val in metrics.items():
         parts = key.split(".", 2)
         if len(parts) == 3 and parts[0] == "drift_probe" and parts[2] in PROBE_KEYS:
             found.setdefault(parts[1], {})[parts[2]] = val
-    return [{"status": "OK", "metrics": m, "tags": {OF_TAG: of}} for of, m in found.items() if HEADLINE in m]
+    return [{"status": "OK", "metrics": m, "tags": {OF_TAG: of}} for of, m in found.items()
+            if HEADLINE in m and (keep is None or of in keep)]
 
 
 def frontier_points(sweeps: list[Sweep], baseline: str = "") -> list[frontier.Point]:

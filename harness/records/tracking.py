@@ -192,11 +192,13 @@ def settle_sweep(sweep_dir: Path, cells: list[tuple[Path, Result]], tcfg: Tracki
         state.update(parent_run_id=parent, parent_closed=False)
         write_json_atomic(sweep_dir / sweep_runs.SWEEP_FILE, state)  # a later resume re-opens this run
         sent = 0
-        for path, result in cells:
-            result.tags[PARENT_TAG] = result.tags["sweep.parent_run_id"] = parent
-            sent += _send(path, result, target)
-        if sent == len(cells):  # every cell is in: end the run as the sweep ended (KILLED if it never did)
-            state["parent_closed"] = sweep_runs.settle(target, sweep_dir, state, parent)
+        try:
+            for path, result in cells:
+                result.tags[PARENT_TAG] = result.tags["sweep.parent_run_id"] = parent
+                sent += _send(path, result, target)
+        finally:  # end the re-opened run as the sweep ended (KILLED if it never did), whatever was sent: left
+            # RUNNING after one refused cell, a FINISHED sweep's run was marked KILLED by the next sweep's start
+            state["parent_closed"] = sweep_runs.settle(target, sweep_dir, state, parent, len(cells) - sent)
             write_json_atomic(sweep_dir / sweep_runs.SWEEP_FILE, state)
         return sent, len(cells) - sent
     finally:

@@ -18,7 +18,7 @@ from typing import Any
 from harness import env
 from harness.config import TrackingConfig
 from harness.errors import QuantbenchError
-from harness.records import report, sweep_runs
+from harness.records import report, sweep_runs, sweeps
 from harness.records.mlflow_runs import client, experiment_id, retry
 from harness.records.results import invocation_cells, read_json, reported_jobs, sweep_baseline
 from harness.records.tracking import UPLOAD
@@ -150,6 +150,7 @@ def finish_sweep(state: SweepState, interrupted: bool = False, probe: bool = Tru
     _OPEN.pop("state", None)
     # jobs, not distinct cells: two jobs of one config hash (a sweep of sweep.* keys) share one result
     missing = max(0, state.planned - reported_jobs(folder, state.invocation)) if not interrupted else 0
+    unreported = sweeps.unreported(folder, state.invocation, missing)  # in report.md too, as NOT REPORTED
     counts: dict[str, int] = {}
     for c in cells:
         counts[c.get("status", "?")] = counts.get(c.get("status", "?"), 0) + 1
@@ -158,7 +159,7 @@ def finish_sweep(state: SweepState, interrupted: bool = False, probe: bool = Tru
     status = "KILLED" if interrupted else ("OK" if bad == 0 and not nothing else "FAILED")
     paths: list[Path] = []
     try:
-        paths = report.write_report(folder, cells, baseline=sweep_baseline(cells, state.sweep),
+        paths = report.write_report(folder, cells + unreported, baseline=sweep_baseline(cells, state.sweep),
                                     title=f"sweep {state.name}", probes=probes)
     except Exception as exc:  # noqa: BLE001 - a report problem must not hide the sweep's outcome
         log.error("could not write the sweep report: %s", exc)
@@ -177,7 +178,7 @@ def finish_sweep(state: SweepState, interrupted: bool = False, probe: bool = Tru
         lock.release()
     where = paths[0] if paths else folder
     print(f"sweep {state.name}: {len(cells)} cell(s): {summary}; report: {where}", flush=True)
-    for c in cells:  # every cell that is not OK (failed or skipped), each with its one-line reason
+    for c in cells + unreported:  # every cell that is not OK (failed, skipped, never reported), with its reason
         if c.get("status") != "OK":
             print(f"  [{c.get('status')}] {c.get('tags', {}).get('sweep.cell', c.get('run_name'))}: "
                   f"{c.get('error', '')}", flush=True)
