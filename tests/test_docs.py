@@ -251,6 +251,22 @@ def run_py(args: list[str], work: Path) -> list[str]:
     return _python(out)
 
 
+def profile_failures(results: Path, since: float) -> list[str]:
+    """The kernel profiles that failed in the results written since `since` (their tag; the run itself passes)."""
+    import json
+
+    out = []
+    for path in results.rglob("*.json") if results.is_dir() else []:
+        if path.stat().st_mtime >= since and "mlartifacts" not in path.parts:
+            try:
+                tag = str((json.loads(path.read_text()).get("tags") or {}).get("kernel.linear", ""))
+            except (ValueError, OSError, AttributeError):
+                continue
+            if tag.startswith("profile failed"):
+                out.append(f"{path.name}: {tag}")
+    return out
+
+
 def serve_and_check(argv: list[str], url: str, timeout: float = 120) -> None:
     """Start a documented server, wait until it answers on `url`, stop it."""
     import urllib.request
@@ -402,7 +418,10 @@ def test_documented_command_runs(cmd: DocCommand, work: Path, baselines: Path, r
         return
 
     if args[1] == "run.py":
+        since = time.time()
         proc = _run(run_py(args, work))
+        failed = profile_failures(work / "results", since)  # a side measurement that broke says so only in a tag
+        assert not failed, failed
         if "measure.device=cuda" in args:  # no GPU here: recorded SKIPPED with its one-line reason, exit 1
             import torch
 
