@@ -107,13 +107,10 @@ class MeasureConfig(Validated):
         for name in ("compile", "compile_skip_guards"):
             if not (isinstance(v := getattr(self, name), bool) or v == "auto"):  # 1 == True: no int passes
                 p.append(f"measure.{name}={getattr(self, name)!r} is not allowed; choose one of: auto, true, false")
-        if (err := one_of("measure.compile_mode", self.compile_mode, ("auto", *COMPILE_MODES))):
-            p.append(err)
-        if (err := one_of("measure.compile_match", self.compile_match, COMPILE_MATCH)):
-            p.append(err)
-        if (err := one_of("measure.compile_backend", self.compile_backend, COMPILE_BACKENDS)):
-            p.append(err)
-        p.extend(e for e in (one_of("measure.path", self.path, DECODE_PATHS),
+        p.extend(e for e in (one_of("measure.compile_mode", self.compile_mode, ("auto", *COMPILE_MODES)),
+                             one_of("measure.compile_match", self.compile_match, COMPILE_MATCH),
+                             one_of("measure.compile_backend", self.compile_backend, COMPILE_BACKENDS),
+                             one_of("measure.path", self.path, DECODE_PATHS),
                              one_of("measure.gemv", self.gemv, GEMV_KERNELS),
                              one_of("measure.hugepages", self.hugepages, HUGEPAGES)) if e)
         if self.compile is True and self.cache == "dynamic":
@@ -166,10 +163,8 @@ class AccuracyConfig(Validated):
         positive(p, "accuracy.kl_top_k", self.kl_top_k)
         if isinstance(self.stride, int) and isinstance(self.context_length, int) and self.stride > self.context_length:
             p.append(f"accuracy.stride={self.stride} must be <= accuracy.context_length={self.context_length}")
-        if (err := one_of("accuracy.reference_dtype", self.reference_dtype, DTYPES)):
-            p.append(err)
-        if (err := one_of("accuracy.kl_reference", self.kl_reference, ("exact", "topk"))):
-            p.append(err)
+        p.extend(e for e in (one_of("accuracy.reference_dtype", self.reference_dtype, DTYPES),
+                             one_of("accuracy.kl_reference", self.kl_reference, ("exact", "topk"))) if e)
         if (err := corpus.file_problem("accuracy.corpus", str(self.corpus))):  # not after the model loads
             p.append(err)
         p.extend(self._task_problems())
@@ -192,10 +187,18 @@ class AccuracyConfig(Validated):
             p.append(f"accuracy.task_limit={self.task_limit!r} must be > 0 (or null: every example)")
         positive(p, "accuracy.num_fewshot", self.num_fewshot, allow_zero=True)
         positive(p, "accuracy.task_batch_size", self.task_batch_size)
-        if self.enabled and self.tasks:  # the task files' index, read now: not after the model loads
+        if self.tasks and not self.enabled:  # the task pass is part of the accuracy pass: it was dropped silently
+            p.append(f"accuracy.tasks=[{','.join(map(str, self.tasks))}] needs accuracy.enabled=true (or drop accuracy.tasks)")
+        elif self.tasks:  # the task files' index, read now: not after the model loads
             if not task_accuracy.installed():
                 p.append(task_accuracy.INSTALL_HINT)
-            p.extend(tasks.problems(list(self.tasks)))
+            p.extend(bad := tasks.problems(list(self.tasks)))
+            index = {} if bad else tasks.read_index()["tasks"]  # type: ignore[index]  # problems() found it
+            n = {t: index[t]["examples"] for t in tasks.expand(self.tasks) if t in index}
+            # lm-eval draws a question's shots from its task's other examples: too few failed mid-run, after the KL pass
+            if n and isinstance(self.num_fewshot, int) and self.num_fewshot >= (k := min(n.values())):
+                p.append(f"accuracy.num_fewshot={self.num_fewshot} is too many: task {min(n, key=n.__getitem__)} has "
+                         f"{k} examples; give accuracy.num_fewshot < {k}")
         return p
 
 

@@ -12,9 +12,10 @@ Calibration text (`calibration_corpus`): by default `calibration`, harness/data/
 tokens of mixed English (essays, a story, how-tos, a dialogue, worked problems, chat Q&A, Python) written
 for this project, so GPTQ runs offline out of the box and never calibrates on the text perplexity scores
 (harness/data/corpus.txt, the `builtin` accuracy corpus, is a different text). Any other value goes
-through the accuracy code's corpus loader (a text file, `builtin`, an HF datasets id); empty means
-`accuracy.corpus`, whose first `accuracy.max_tokens` tokens (what perplexity scores) are skipped if the
-corpus has enough tokens after them; otherwise the run is tagged `warning.calibration_overlap`.
+through the accuracy code's corpus loader (a text file, `builtin`, an HF datasets id); empty means `accuracy.corpus`.
+Whenever it is the accuracy corpus (empty, the same name, or the same file by real path: `text_key`), its first
+`accuracy.max_tokens` tokens (what perplexity and KL score) are skipped if the corpus has enough tokens after them;
+otherwise the run is tagged `warning.calibration_overlap`.
 
 Random-weight shapes (`model=random`, harness/models/random_model.py) have no text tokenizer (an `IdTokenizer`):
 they calibrate on seeded synthetic token ids instead, `calibration_samples` x `calibration_length` ids uniform in
@@ -134,6 +135,12 @@ def id_model_dir(source: Any, tokenizer: IdTokenizer) -> Path:
             **{k: f"<{v}>" for k, v in special.items() if v is not None}}))
 
     return atomic_dir(cache_root() / "quantized" / "sources" / f"{src.name}-ids", build)
+
+
+def text_key(spec: str) -> str:
+    """What a corpus spec reads: a file (the shipped `builtin`, `calibration` too) by real path, a dataset id as is."""
+    path = {"builtin": corpus.BUILTIN_CORPUS, CALIBRATION: CALIBRATION_TEXT}.get(spec, os.path.expanduser(spec))
+    return os.path.realpath(path) if spec == CALIBRATION or corpus.kind(spec) != "dataset" else spec
 
 
 def calibration_text(spec: str) -> str:
@@ -290,8 +297,7 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
         self._accuracy = accuracy
 
     def _calibration_spec(self) -> str:
-        acc = self._accuracy
-        return self.calibration_corpus or (acc.corpus if acc is not None else "builtin")
+        return self.calibration_corpus or (self._accuracy.corpus if self._accuracy is not None else "builtin")
 
     # --- calibration and cache -------------------------------------------------------------------
     def calibration(self, tokenizer: Any) -> tuple[list[dict], str, bool]:
@@ -302,16 +308,12 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
                                             self.calibration_seed)
             digest = hashlib.sha256(json.dumps([s["input_ids"] for s in samples]).encode()).hexdigest()[:16]
             return samples, f"synthetic-seed{self.calibration_seed}-{digest}", False
-        acc = self._accuracy
-        spec = self._calibration_spec()
-        text = calibration_text(spec)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        acc, spec = self._accuracy, self._calibration_spec()
+        ids = tokenizer(calibration_text(spec), add_special_tokens=False)["input_ids"]
         need = self.calibration_samples * self.calibration_length
-        skip = 0
-        if not self.calibration_corpus and acc is not None:  # same text as perplexity: skip what it scores
-            scored = acc.max_tokens or len(ids)
-            skip = scored if len(ids) - scored >= need else 0
-        overlap = not self.calibration_corpus and acc is not None and skip == 0
+        # the text perplexity/KL score, however named (empty, builtin twice, one file): skip what they score, or say so
+        scored = (acc.max_tokens or len(ids)) if acc is not None and text_key(spec) == text_key(acc.corpus) else 0
+        skip, overlap = (scored, False) if len(ids) - scored >= need else (0, scored > 0)
         pool = ids[skip:]
         if len(pool) < need:
             raise QuantbenchError(f"quantizer {self.name}: calibration needs {self.calibration_samples} x "
@@ -354,8 +356,7 @@ class GPTQModelQuantizer(TimedLoad, Quantizer):
 
         self._device = device
         os.environ["GPTQMODEL_CPU_WORKERS"] = str(self.workers)
-        if experiment is not None and self._accuracy is None:
-            self._accuracy = getattr(experiment, "accuracy", None)
+        self._accuracy = self._accuracy or getattr(experiment, "accuracy", None)
         # rtn is weight-only: gptqmodel ignores calibration text, so none is read (nor can be too short)
         samples, digest, overlap = self.calibration(tokenizer) if self.method != "rtn" else (None, "rtn", False)
         dtype = torch_dtype(self.load_dtype(source.dtype))

@@ -291,3 +291,19 @@ def test_a_tracking_uri_mlflow_cannot_open_is_refused_before_the_run(compose, mo
     if "file store" in refused:  # MLflow's own opt-in keeps it usable
         monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
         assert build(compose(["model=tiny_random", f"tracking.uri='{uri}'"])).tracking.uri == uri
+
+
+@pytest.mark.parametrize("extra", [[], ["accuracy.enabled=false"], ["accuracy.enabled=true"]])
+def test_task_accuracy_with_the_accuracy_pass_off_is_refused_not_dropped(compose, extra):
+    """accuracy.tasks with accuracy.enabled=false (model=random sets it) ran no task pass and checked no name: an
+    unknown task passed. model=random refuses it as it refuses accuracy.enabled=true, and says so first."""
+    from harness.cli import precheck
+
+    with pytest.raises(ConfigError) as info:
+        build(compose(["model=random", "model.arch=tiny", "accuracy.tasks=[nope]", *extra]))
+    random_line = "model=random has random weights: task accuracy on them means nothing; drop accuracy.tasks=[nope]"
+    assert random_line in info.value.problems[:2]  # after accuracy.enabled=true's own refusal, if given
+    assert random_line in precheck(["model=random", "model.arch=tiny", "accuracy.tasks=[nope]", *extra])
+    with pytest.raises(ConfigError) as info:
+        build(compose(["model=tiny_random", "accuracy.enabled=false", "accuracy.tasks=[nope]"]))
+    assert info.value.problems == ["accuracy.tasks=[nope] needs accuracy.enabled=true (or drop accuracy.tasks)"]

@@ -418,6 +418,25 @@ def test_missing_or_nan_metric_is_an_error(committed):
         compare_accuracy(current_from(committed), {"metrics": committed["metrics"]})
 
 
+def test_a_baseline_scored_on_another_number_of_tokens_is_an_error(committed):
+    """scored_tokens was recorded but never compared: after the corpus text changed under the same config,
+    perplexity, KL and top-1 were checked against a baseline scored on other tokens (a pass or a FAIL, never 2)."""
+    cur = current_from(committed)
+    assert committed["metrics"]["scored_tokens"] == 299
+    cur["scored_tokens"] = 300
+    with pytest.raises(GateError, match=r"^candidate scored 300 corpus tokens, the accuracy baseline 299: .* rewrite "
+                                        r"the baseline with --write-baseline$"):
+        compare_accuracy(cur, committed)
+    del cur["scored_tokens"]
+    with pytest.raises(GateError, match=r"^candidate scored no corpus tokens, the accuracy baseline 299"):
+        compare_accuracy(cur, committed)
+    cur["scored_tokens"] = 299  # an int from the run, a float in the file
+    assert all(c.ok for c in compare_accuracy(cur, committed))
+    older = {**committed, "metrics": {k: v for k, v in committed["metrics"].items() if k != "scored_tokens"}}
+    cur["scored_tokens"] = 1
+    assert all(c.ok for c in compare_accuracy(cur, older))  # a file without it: nothing to compare
+
+
 def test_baseline_for_another_config_is_an_error(committed):
     config = {"model": {"_target_": "harness.models.TinyRandom", "seed": 1}}
     with pytest.raises(GateError, match="model.seed"):
@@ -742,6 +761,7 @@ def test_write_baseline_round_trip(tmp_path, mlflow_dir):
     assert written["greedy_tokens"] == committed["greedy_tokens"]
     for k in gate.ACCURACY_METRICS:
         assert math.isclose(written["metrics"][k], committed["metrics"][k], rel_tol=1e-6, abs_tol=1e-9)
+    assert written["metrics"]["scored_tokens"] == committed["metrics"]["scored_tokens"]  # compared since: the same
 
 
 def test_an_undecided_speed_under_a_failed_accuracy_check_does_not_say_it_passes():

@@ -147,3 +147,29 @@ def test_the_kernel_table_matches_the_installed_gptqmodel():
     # the group sizes gptqmodel's QuantizeConfig names are the GPTQ kernels' together
     named = _resolve_dynamic_group_size_error().split("[", 1)[1].split("]", 1)[0]
     assert sorted({g for s in GPTQ_KERNELS.values() for g in s.group_size}) == [int(g) for g in named.split(",")]
+
+
+def test_calibration_on_the_scored_corpus_skips_the_scored_tokens_however_it_is_named(compose, tmp_path):
+    """Only an empty calibration_corpus skipped the scored tokens: `builtin` with the default accuracy.corpus=builtin
+    (or one file named twice, here through a link) calibrated on exactly the tokens perplexity and KL score, untagged.
+    Too short to skip them: samples from the start, tagged overlapping; another text: no skip, no tag."""
+    from harness.analysis import corpus
+    from harness.models import load_tokenizer
+
+    text = tmp_path / "scored.txt"
+    text.write_text(corpus.load("builtin"))
+    (tmp_path / "link.txt").symlink_to(text)
+    tok = ids = None
+    for cal, acc, skipped, overlap in [("builtin", "builtin", True, False), ("''", "builtin", True, False),
+                                       (str(corpus.BUILTIN_CORPUS), "builtin", True, False),
+                                       (str(text), str(tmp_path / "link.txt"), True, False),
+                                       (str(text), "builtin", False, False),  # the same words, but not the scored file
+                                       ("builtin", "builtin", False, True)]:
+        extra = ["accuracy.max_tokens=6000"] if overlap else []  # 7.4k tokens: 1.4k left after, 8 x 256 needed
+        exp = _build(compose, "gptq_int4", ["quantizer.calibration_samples=8", f"quantizer.calibration_corpus={cal}",
+                                            f"accuracy.corpus={acc}", *extra])
+        tok = tok or load_tokenizer(exp.model)
+        ids = ids or tok(corpus.load("builtin"), add_special_tokens=False)["input_ids"]
+        samples, _, flagged = exp.quantizer.calibration(tok)
+        first = samples[0]["input_ids"]
+        assert (first == ids[300:556], first == ids[:256], flagged) == (skipped, not skipped, overlap), (cal, acc)

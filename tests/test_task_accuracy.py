@@ -69,6 +69,14 @@ def test_the_cache_holds_an_index_of_every_task_and_the_multiple_choice_files(ca
     (["accuracy.tasks=[grp]"], "'grp' is a group of subtasks; name one of: grp/sub"),
     (["accuracy.tasks=[toy]", "accuracy.task_limit=0"], "accuracy.task_limit=0 must be > 0 (or null: every example)"),
     (["accuracy.tasks=[toy]", "accuracy.num_fewshot=-1"], "accuracy.num_fewshot=-1 must be >= 0"),
+    # lm-eval draws the shots from the task's other examples: this failed mid-run ("Sample larger than population")
+    (["accuracy.tasks=[toy,toy_b]", "accuracy.num_fewshot=5", "accuracy.task_limit=2"],
+     "accuracy.num_fewshot=5 is too many: task toy_b has 5 examples; give accuracy.num_fewshot < 5"),
+    # the task pass runs inside the accuracy pass: these were dropped silently, the names never checked
+    (["accuracy.tasks=[toyy]", "accuracy.enabled=false"],
+     "accuracy.tasks=[toyy] needs accuracy.enabled=true (or drop accuracy.tasks)"),
+    (["accuracy.tasks=[default,toy]", "accuracy.enabled=false"],
+     "accuracy.tasks=[default,toy] needs accuracy.enabled=true (or drop accuracy.tasks)"),
 ])
 def test_bad_task_input_is_one_line_at_validation(compose, cache, overrides, message):
     from harness.cli import precheck
@@ -78,6 +86,8 @@ def test_bad_task_input_is_one_line_at_validation(compose, cache, overrides, mes
     assert err.value.problems == [message] or message in err.value.problems[0]
     assert message in precheck(["model=tiny_random", *overrides])
     build(compose([*FAST, "accuracy.tasks=[toy,grp/sub]", "accuracy.task_limit=3"]))  # the good ones pass
+    build(compose([*FAST, "accuracy.tasks=[toy,toy_b]", "accuracy.num_fewshot=4"]))  # all but the question: enough
+    build(compose([*FAST, "accuracy.enabled=false", "accuracy.tasks=[]"]))  # no tasks: nothing to refuse
 
 
 @pytest.mark.parametrize("arg, message", [

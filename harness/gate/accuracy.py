@@ -12,7 +12,9 @@ compared with the file (written by `--write-baseline` from the candidate config)
   the file with `--write-baseline` (the diff shows it in review). Relax with `--greedy-tokens N` where
   float reassociation across machines flips late near-ties.
 Metrics present in the file must all be produced by the candidate (else error 2). The file records
-the accuracy-relevant config; a candidate whose values differ on a recorded key is an error (2).
+the accuracy-relevant config; a candidate whose values differ on a recorded key is an error (2), and so
+is one that scored another number of corpus tokens than the file's `scored_tokens` (the corpus text or
+the tokenizer changed under the same config): its perplexity and KL are over other tokens.
 """
 
 from __future__ import annotations
@@ -69,13 +71,21 @@ def _finite(name: str, value: Any, where: str) -> float:
 def compare_accuracy(current: dict, baseline: dict, greedy_tokens: int = 0) -> list[Check]:
     """Check the candidate's deterministic metrics against a baseline file's content (module docstring).
 
-    Raises GateError for anything that prevents the comparison (missing or non-finite metrics).
+    Raises GateError for anything that prevents the comparison (missing or non-finite metrics, metrics over
+    another number of scored tokens than the baseline's).
     """
     base_metrics = baseline.get("metrics")
     base_greedy = baseline.get("greedy_tokens")
     if not isinstance(base_metrics, dict) or not isinstance(base_greedy, list) or not base_greedy:
         raise GateError("accuracy baseline file has no 'metrics' or no 'greedy_tokens'; rewrite it with "
                         "--write-baseline")
+    # the config check cannot see the corpus text or the tokenizer change: the number of scored tokens can
+    scored, got = base_metrics.get("scored_tokens"), current.get("scored_tokens")
+    if isinstance(scored, (int, float)) and got != scored and any(name in current for name in ACCURACY_METRICS):
+        got = format(got, "g") if isinstance(got, (int, float)) else "no"
+        raise GateError(f"candidate scored {got} corpus tokens, the accuracy baseline {scored:g}: its perplexity, KL "
+                        "and top-1 are over other text (the corpus or the tokenizer changed); rewrite the baseline "
+                        "with --write-baseline")
     checks: list[Check] = []
     for name in ACCURACY_METRICS:
         if name not in base_metrics:

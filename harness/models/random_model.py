@@ -19,8 +19,8 @@ once per preset and seed into the cache (`local_dir()`, one shard per layer).
 The model has no tokenizer: `tokenizer()` is an `IdTokenizer` (ids in, ids out), the workload is seeded
 synthetic token ids (conf/model/random.yaml sets measure.prompts=synthetic), a text prompt set or file is
 refused in one line. Accuracy (perplexity, KL) and speculative acceptance depend on the weight values and
-mean nothing here: the accuracy pass is off by default and an explicit `accuracy.enabled=true`, like a
-strategy whose metrics depend on the weights (`weight_dependent`), is refused (docs/scaling_models.md).
+mean nothing here: the accuracy pass is off by default and an explicit `accuracy.enabled=true` or `accuracy.tasks`,
+like a strategy whose metrics depend on the weights (`weight_dependent`), is refused (docs/scaling_models.md).
 """
 
 from __future__ import annotations
@@ -175,6 +175,9 @@ class RandomModel(ModelSource):
         if accuracy is not None and accuracy.enabled:
             p.append("model=random has random weights: perplexity and KL on them mean nothing; drop "
                      "accuracy.enabled=true (the accuracy pass is off for model=random)")
+        if accuracy is not None and accuracy.tasks:  # listed before accuracy.tasks' own line (needs accuracy.enabled)
+            p.append("model=random has random weights: task accuracy on them means nothing; drop "
+                     f"accuracy.tasks=[{','.join(map(str, accuracy.tasks))}]")
         strategy = parts.get("strategy")
         if strategy is not None and getattr(strategy, "weight_dependent", ""):
             p.append(f"model=random has random weights: strategy={strategy.name} measures "
