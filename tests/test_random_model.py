@@ -97,6 +97,19 @@ def test_random_weights_refuse_what_depends_on_values_and_text(compose, tmp_path
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
         build(compose(["model=random", f"model.config_path={tmp_path / 'config.json'}"]))
+    # a config the model cannot be built from: refused at config time in one line, not a run FAILED late with
+    # KeyError: 'vocab_size', transformers' validator message cut off, or "'list' object has no attribute 'get'"
+    broken = {"no sizes": ({"model_type": "llama"}, "vocab_size, hidden_size, intermediate_size, num_hidden_layers, "
+                                                    "num_attention_heads must be integers >= 1"),
+              "heads": ({**cfg, "hidden_size": 100, "num_attention_heads": 3, "num_key_value_heads": 3},
+                        "hidden_size 100 is not divisible by num_attention_heads 3"),
+              "kv heads": ({**cfg, "num_key_value_heads": 3}, "must divide num_attention_heads"),
+              "list": ([cfg], "is not a JSON config (a JSON list, not an object)")}
+    for case, (data, needle) in broken.items():
+        (tmp_path / "config.json").write_text(json.dumps(data))
+        with pytest.raises(ConfigError) as exc:
+            build(compose(["model=random", f"model.config_path={tmp_path / 'config.json'}"]))
+        assert needle in str(exc.value) and "\n" not in str(exc.value), (case, str(exc.value))
 
 
 def test_the_id_tokenizer_gives_ids_and_refuses_text():

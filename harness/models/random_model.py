@@ -56,6 +56,8 @@ def read_config(arch: str, config_path: str) -> dict:
     """The architecture fields of a preset or a config.json file (keys starting with `_` are notes)."""
     path = ARCH_DIR / f"{arch}.json" if arch else Path(config_path).expanduser()
     data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
     data = data.get("text_config", data) if "hidden_size" not in data else data
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
@@ -90,6 +92,22 @@ class IdTokenizer:
         raise QuantbenchError(NO_TOKENIZER)
 
     encode = apply_chat_template = __call__
+
+
+def shape_problems(cfg: dict) -> list[str]:
+    """What a config.json lacks to build the model, in config.py's words (a run failed late with KeyError
+    'vocab_size', or with transformers' validator message cut off)."""
+    need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    bad = [k for k in need if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg.get(k) < 1]
+    if bad:
+        return [f"model.config_path: {', '.join(bad)} must be integers >= 1 (a model's config.json has them)"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    out = []
+    if cfg["hidden_size"] % heads and not cfg.get("head_dim"):
+        out.append(f"model.config_path: hidden_size {cfg['hidden_size']} is not divisible by num_attention_heads {heads}")
+    if not isinstance(kv, int) or kv < 1 or heads % kv:
+        out.append(f"model.config_path: num_key_value_heads {kv!r} must divide num_attention_heads {heads}")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ source
@@ -127,6 +145,7 @@ class RandomModel(ModelSource):
             if cfg.get("model_type") not in MODEL_TYPES:
                 p.append(f"model.config_path: model_type {cfg.get('model_type')!r} is not supported; "
                          f"choose a config of: {', '.join(MODEL_TYPES)}")
+            p += shape_problems(cfg)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             p.append(f"model.seed={self.seed!r} must be an integer >= 0")
         return p
