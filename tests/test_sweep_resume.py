@@ -346,3 +346,33 @@ def test_a_resumed_sweeps_parent_run_gives_back_only_the_drift_probes_of_its_lat
     assert close_parent_run(st, "OK", "2 OK", [], [probe("none" * 4, 11.0)])
     got = sweeps.latest_from_mlflow(tcfg.uri, "up", "up")
     assert {p["tags"][sweeps.OF_TAG]: p["metrics"]["decode_tokens_per_s"] for p in got.probes} == {"none" * 4: 11.0}
+
+
+def test_upload_nests_the_cells_logged_while_the_sweeps_parent_run_was_missing(tmp_path):
+    """MLflow was down when the sweep started (no parent run) and up when its cells ended: they were logged
+    top-level. `upload` made the sweep a parent run but nested only unsent cells under it, so the sweep's MLflow
+    report found no cells."""
+    from mlflow.tracking import MlflowClient
+
+    from harness.records import tracking
+
+    tcfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="up", results_dir=str(tmp_path))
+    st = SweepState(name="up", folder=str(tmp_path / "up"), invocation="inv1", commit="c", owner=owner_id(),
+                    tracking=vars(tcfg).copy(), planned=2)
+    st.parent_run_id = ""  # the store refused the parent run at the start
+    for q in ("none", "bf16"):
+        r = Result(status="OK", config={"quantizer": {"name": q}}, metrics={"decode_tokens_per_s": 1.0},
+                   config_hash=q * 4, started=time.time(), ended=time.time(), tags={"quantizer.name": q})
+        append_manifest(st, r.config_hash, f"quantizer={q}")
+        record_cell(r, cell_path(Path(st.folder), r.config_hash), st, f"quantizer={q}", {}, None, tcfg)
+    st.status, st.summary = "OK", "2 OK"
+    st.save()
+    c = MlflowClient(tcfg.uri)
+    runs = {q: json.loads(cell_path(Path(st.folder), q * 4).read_text())["mlflow_run_id"] for q in ("none", "bf16")}
+    assert all(runs.values()) and not any("mlflow.parentRunId" in c.get_run(r).data.tags for r in runs.values())
+    assert tracking.upload(tmp_path, tcfg) == (0, 0)
+    parent = json.loads((Path(st.folder) / "sweep.json").read_text())["parent_run_id"]
+    assert parent and c.get_run(parent).info.status == "FINISHED"
+    for q, rid in runs.items():
+        assert c.get_run(rid).data.tags.get("mlflow.parentRunId") == parent, q
+        assert json.loads(cell_path(Path(st.folder), q * 4).read_text())["tags"]["parent_run_id"] == parent

@@ -20,7 +20,7 @@ from typing import Any
 from harness.config import TrackingConfig
 from harness.records import sweeps
 from harness.records.mlflow_runs import client, experiment_id, retry
-from harness.records.results import read_json
+from harness.records.results import PARENT_TAG, read_json, write_json_atomic
 
 log = logging.getLogger("quantbench")
 SWEEP_FILE = "sweep.json"  # <sweep folder>/sweep.json: harness.sweep.settings.SweepState
@@ -119,3 +119,26 @@ def settle(tcfg: TrackingConfig, folder: Path, state: dict, parent: str, unsent:
     probes = sweeps.stored_probes(folder, state.get("invocation"))
     reports: list[Any] = [Path(p) for p in state.get("reports") or []]
     return close_parent(tcfg, parent, status, summary, reports, probes, state.get("invocation", ""))
+
+
+def adopt_cells(tcfg: TrackingConfig, folder: Path, parent: str) -> int:
+    """Nest under `parent` the cells of `folder` that reached MLflow with no parent run (the store was down when
+    the sweep started, up when they ended: they were logged top-level, and the sweep's report found none of them).
+    Only runs that exist in `tcfg`'s store, and only cells that name no parent: a cell nested under an earlier
+    invocation's parent stays there. Returns how many were moved; each cell's JSON records its new parent."""
+    c, moved = client(tcfg), 0
+    for path in sorted((Path(folder) / "cells").glob("*.json")):
+        data = read_json(path) or {}
+        tags, rid = data.get("tags") or {}, data.get("mlflow_run_id")
+        if not rid or tags.get(PARENT_TAG):
+            continue
+        try:
+            c.get_run(rid)  # another store's id (the JSON was logged elsewhere): not ours to move
+        except Exception:  # noqa: BLE001
+            continue
+        retry(lambda r=rid: c.set_tag(r, "mlflow.parentRunId", parent), tcfg, "mlflow set_tag")
+        tags[PARENT_TAG] = tags["sweep.parent_run_id"] = parent
+        data["tags"] = tags
+        write_json_atomic(path, data)
+        moved += 1
+    return moved

@@ -192,6 +192,10 @@ def settle_sweep(sweep_dir: Path, cells: list[tuple[Path, Result]], tcfg: Tracki
         state.update(parent_run_id=parent, parent_closed=False)
         write_json_atomic(sweep_dir / sweep_runs.SWEEP_FILE, state)  # a later resume re-opens this run
         sent = 0
+        with contextlib.suppress(Exception):  # best effort: a cell left top-level is still in the store
+            if moved := sweep_runs.adopt_cells(target, sweep_dir, parent):
+                log.info("upload: %d cell run(s) of %s logged without their sweep's parent run now nest under %s",
+                         moved, sweep_dir, parent)
         try:
             for path, result in cells:
                 result.tags[PARENT_TAG] = result.tags["sweep.parent_run_id"] = parent
