@@ -100,6 +100,22 @@ def test_a_prompt_longer_than_the_context_is_named_with_its_line(compose, tmp_pa
         build(compose([*TINY, f"measure.prompts={f}"]))
 
 
+def test_a_tokenizer_that_does_not_load_in_the_context_check_is_one_line(compose, tmp_path, monkeypatch):
+    """A prompt near the context needs the tokenizer at config time; transformers' ValueError (a GGUF without a
+    vocabulary) came out of run.py as a traceback."""
+    def broken(model):
+        raise ValueError("Cannot build a tokenizer from a GGUF file stating tokenizer None.\nSupported: ['llama']")
+
+    monkeypatch.setattr(workloads, "load_tokenizer", broken)
+    f = tmp_path / "long.txt"
+    f.write_text("x" * 1100 + "\n")
+    with pytest.raises(QuantbenchError) as info:
+        build(compose([*TINY, f"measure.prompts={f}"]))
+    line = str(info.value)
+    assert "\n" not in line and ("the tokenizer of model tiny_random does not load (ValueError: Cannot build a "
+                                 "tokenizer from a GGUF file stating tokenizer None.)") in line
+
+
 def test_gguf_context_is_read_from_the_header_only(compose):
     exp = build(compose(["accuracy.enabled=false"]))  # the embedded SmolLM2 GGUF (no weights are read)
     assert workloads.gguf_context_length(exp.model.gguf_path) == 8192
@@ -216,7 +232,9 @@ def _cell(q, batch, depth, tps, **extra):
          "bandwidth_gb_per_s": 20.0, "kv_context_mean": depth + 20.0, "flops_per_token": 2.7e8,
          "attn_flops_per_token_ctx": 6.9e4, "prefill_flops_per_s": 1e12, **extra}
     return {"status": "OK", "metrics": m, "error": "",
-            "tags": {"sweep.cell": f"{q},{batch},{depth}", "quantizer.name": q, "strategy.name": "StaticBatch"}}
+            # as a run tags them: the strategy's name holds the batch size, its Hydra choice does not (one curve)
+            "tags": {"sweep.cell": f"{q},{batch},{depth}", "quantizer.name": q, "strategy.name": f"StaticBatch{batch}",
+                     "choice.strategy": "static_batch"}}
 
 
 def test_crossover_ratio_and_roofline_prediction():

@@ -88,7 +88,9 @@ def points(rows: list[dict], baseline: str) -> dict[str, list[dict]]:
     speed settings (threads, ...) and machine added where the rows hold several, so one curve never mixes them."""
     ok = [r for r in rows if r["status"] == "OK" and value(r["metrics"], "decode_tokens_per_s")]
     models, hosts = {r.get("model") for r in ok}, {r.get("machine") for r in ok}
-    strategies, settings = {r.get("strategy") for r in ok}, setting_labels(ok)
+    # the strategy's kind, not its name: StaticBatch1 and StaticBatch2 are one curve over the batch axis
+    kind = {id(r): (r.get("tags") or {}).get("choice.strategy") or r.get("strategy") for r in ok}
+    strategies, settings = set(kind.values()), setting_labels(ok)
 
     def where(r: dict) -> tuple:  # a compute ceiling holds for one machine, model and thread count
         return r.get("machine"), r.get("model"), r.get("setting", "")
@@ -109,7 +111,7 @@ def points(rows: list[dict], baseline: str) -> dict[str, list[dict]]:
         # every axis but batch and depth that differs between cells splits the curve: one key per (batch, depth)
         # point, or the last cell of two thread counts silently replaced the other
         label = r["quantizer"] + (f" @ {r.get('model')}" if len(models) > 1 else "") + \
-            (f" ({r.get('strategy')})" if len(strategies) > 1 else "") + \
+            (f" ({kind[id(r)]})" if len(strategies) > 1 else "") + \
             (f" [{settings[r.get('setting', '')]}]" if settings.get(r.get("setting", "")) else "") + \
             (f" on {r.get('machine')}" if len(hosts) > 1 else "")
         out.setdefault(label, []).append({
