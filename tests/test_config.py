@@ -124,6 +124,7 @@ def test_a_gguf_cut_short_in_its_tensor_data_is_refused_before_loading(compose, 
 
     path = tmp_path / "model.gguf"
     w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")  # a GGUF without one is refused first (its own test: tests/test_gguf_convert.py)
     w.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float32))
     w.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
     w.write_header_to_file()

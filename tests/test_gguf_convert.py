@@ -94,3 +94,50 @@ def test_rope_settings_are_read_from_either_config_layout_and_an_unwritable_rope
     assert rope({"rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}) == (100000.0, {})
     with pytest.raises(QuantbenchError, match="RoPE type 'yarn' has no GGUF export"):
         rope({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.parametrize("arch,drop", [("tiny", "blk.1.ffn_down.weight"), ("tiny-qwen2", None)])
+def test_a_gguf_missing_a_tensor_is_refused_not_filled_with_random_values(arch, drop, tmp_path, monkeypatch):
+    """The stream gives up on a file that lacks a parameter; transformers' whole-model load then filled it with
+    fresh random values, silently, and the cache kept them. Refused, nothing cached; a tied head (no output.weight
+    of its own, tiny-qwen2) still converts."""
+    from harness.errors import QuantbenchError
+    from harness.models import GGUFFile, gguf_export
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    full = gguf_export.plan
+    monkeypatch.setattr(gguf_export, "plan", lambda src: [t for t in full(src) if t[1] != drop])
+    gguf = write_gguf(RandomModel(arch=arch, dtype="float32"), tmp_path / f"{arch}.gguf")
+    source = GGUFFile(path=str(gguf), dtype="float32")
+    if drop is None:
+        monkeypatch.setattr(gguf_convert, "streams", lambda path: False)  # the whole-model load, as for a newer arch
+        assert (source.local_dir() / "model.safetensors").is_file()
+        return
+    with pytest.raises(QuantbenchError, match=r"tiny.gguf lacks tensors LlamaForCausalLM needs \("
+                                              r"model\.layers\.1\.mlp\.down_proj\.weight\)"):
+        source.local_dir()
+    assert not gguf_convert.cached_dir(gguf).exists()
+
+
+def test_a_gguf_without_a_tokenizer_is_refused_by_preflight_before_any_conversion(tmp_path, monkeypatch):
+    """No `tokenizer.ggml.model`: transformers' ValueError came out of run.py as a traceback, after the whole
+    conversion had run inside the config check (the prompts measured against a 128-position context)."""
+    from gguf import GGUFWriter
+
+    from harness.cli import precheck
+
+    monkeypatch.setenv("QUANTBENCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "novocab.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    problem = precheck(["model=gguf", f"model.path={path}", "accuracy.enabled=false"])  # run.py: this line, exit 2
+    assert problem is not None and "\n" not in problem
+    assert (f"model.path='{path}' has no tokenizer in its metadata (no tokenizer.ggml.model key), and quantbench "
+            "tokenizes the prompts with it; use a GGUF written with its vocabulary") in problem
+    assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())

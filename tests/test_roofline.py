@@ -44,6 +44,18 @@ def test_calculator_rejects_bad_input(capsys):
     assert "--layers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("arg,value", [("--layers", "-32"), ("--kv-dim", "0"), ("--kv-bits", "-16")])
+def test_calculator_refuses_a_kv_size_that_is_not_positive(arg, value, capsys):
+    """A negative KV size took bytes off the weights' (a floor faster than reading the weights alone)."""
+    kv = {"--layers": "32", "--kv-dim": "1024", "--kv-bits": "16", arg: value}
+    with pytest.raises(SystemExit):
+        roofline.main(["--params", "7e9", "--bandwidth", "1e12", "--context", "4096",
+                       *[x for k, v in kv.items() for x in (k, v)]])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("--layers, --kv-dim and --kv-bits must be > 0 and --context >= 0")
+    assert roofline.main(["--params", "7e9", "--bandwidth", "1e12"]) == 0  # no KV cache: none of them needed
+
+
 def _unique_param_bytes(model) -> int:
     seen = {id(p): p for p in model.parameters()}
     return sum(p.numel() * p.element_size() for p in seen.values()) + sum(

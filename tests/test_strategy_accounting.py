@@ -285,7 +285,9 @@ def test_the_memory_estimate_counts_the_draft_model(compose, monkeypatch):
     assert same.parts["draft KV cache"] == greedy.parts["KV cache"] > 0  # batch 1 both
     assert half.parts["draft weights"] == pytest.approx(greedy.parts["weights"] / 2)
     assert same.total == pytest.approx(greedy.total + greedy.parts["weights"] + greedy.parts["KV cache"])
-    monkeypatch.setattr(memory, "available_bytes", lambda device: ((greedy.total + same.total) / 2, "MemAvailable"))
+    # what is available excludes the process itself (its runtime part): the midpoint of what each must find free
+    free = (greedy.total + same.total) / 2 - greedy.parts["runtime"]
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "MemAvailable"))
     assert memory.check(greedy_exp, "cpu") is not None  # the target alone fits; with its draft it does not
     with pytest.raises(memory.DoesNotFit):
         memory.check(exp, "cpu")

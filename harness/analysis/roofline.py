@@ -2,16 +2,15 @@
 
 Three pieces, all used on every run:
 
-- `host_bandwidth(device, threads)` (harness/analysis/bandwidth.py): the device's memory bandwidth, measured once per host and cached
-  (key: host name, CPU or GPU model, thread count). CPU: a read-only pass (`sum(b)`, N bytes), torch copy
-  and triad (`a = b + s*c`) over fp32 arrays of max(256 MiB, 8 x last-level cache) each, best of 5,
-  STREAM byte counting (copy moves 2N bytes, triad 3N; write-allocate traffic is not counted, as in
-  STREAM). The bound uses the fastest of the three: what torch itself can stream. It is not the
-  hardware's limit: llama.cpp's hand-written kernels read faster (on the Zen 5 host, 2026-12-04, its BF16
-  decode of an 8B shape read 15.0 GB per 348 ms step = 43 GB/s, against torch's read 32.6, copy 31.0,
-  triad 34.2 GB/s), so a llama.cpp row can show a fraction above 1: read it as "faster than torch can
-  stream", and compare engines by ms/token. CUDA: a device-to-device copy of 1 GiB timed with CUDA events, best of
-  10 (2N bytes). The method is recorded in tag `bandwidth_method`.
+- `host_bandwidth(device, threads)` (harness/analysis/bandwidth.py): the device's memory bandwidth, measured once per
+  host and cached (key: host name, CPU or GPU model, thread count). CPU: a read-only pass (`sum(b)`, N bytes), torch
+  copy and triad (`a = b + s*c`) over fp32 arrays of max(256 MiB, 8 x last-level cache) each, best of 5, STREAM byte
+  counting (copy moves 2N bytes, triad 3N; write-allocate traffic is not counted, as in STREAM). The bound uses the
+  fastest of the three: what torch itself can stream. It is not the hardware's limit: llama.cpp's hand-written kernels
+  read faster (on the Zen 5 host, 2026-12-04, its BF16 decode of an 8B shape read 15.0 GB per 348 ms step = 43 GB/s,
+  against torch's read 32.6, copy 31.0, triad 34.2 GB/s), so a llama.cpp row can show a fraction above 1: read it as
+  "faster than torch can stream", and compare engines by ms/token. CUDA: a device-to-device copy of 1 GiB timed with
+  CUDA events, best of 10 (2N bytes). The method is recorded in tag `bandwidth_method`.
 - `ModelShape` + `bytes_per_step`: bytes one decode step reads. Weights as really stored (after
   quantization, scales and zeros included; `quantizers.base.tensor_bytes`), except the input embedding,
   of which a step reads only `batch` rows; when the output projection is tied to the embedding it still
@@ -368,12 +367,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --device host: measure again (on the same boot the cache keeps the higher value)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=0, help="KV cache length read per step (tokens)")
-    p.add_argument("--layers", type=int, default=0, help="layers (for the KV cache)")
-    p.add_argument("--kv-dim", type=int, default=0, help="kv_heads x head_dim (for the KV cache)")
+    p.add_argument("--layers", type=int, help="layers (for the KV cache)")
+    p.add_argument("--kv-dim", type=int, help="kv_heads x head_dim (for the KV cache)")
     p.add_argument("--kv-bits", type=float, default=16.0)
     a = p.parse_args(argv)
-    if a.params <= 0 or a.bits <= 0 or a.batch <= 0 or a.context < 0:
-        p.error("--params, --bits and --batch must be > 0 and --context >= 0")
+    if (min(a.params, a.bits, a.batch, a.kv_bits, *(v for v in (a.layers, a.kv_dim) if v is not None)) <= 0
+            or a.context < 0):  # a negative KV size took bytes off the weights' (layers, kv-dim: None if not given)
+        p.error("--params, --bits, --batch, --layers, --kv-dim and --kv-bits must be > 0 and --context >= 0")
     if a.context and not (a.layers and a.kv_dim):
         p.error("--context needs --layers and --kv-dim (kv_heads x head_dim) to size the KV cache")
     source = "given"
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--device {a.device!r} is unknown; choose one of: {', '.join(DEVICES)}, host")
     if a.bandwidth <= 0:
         p.error("--bandwidth must be > 0 (bytes/s)")
-    f = floor(a.params, a.bits, a.bandwidth, a.batch, a.context, a.layers, a.kv_dim, a.kv_bits)
+    f = floor(a.params, a.bits, a.bandwidth, a.batch, a.context, a.layers or 0, a.kv_dim or 0, a.kv_bits)
     print(f"bandwidth      {a.bandwidth / 1e9:,.1f} GB/s ({source})")
     print(f"bytes per step {f['bytes_per_step'] / 1e9:,.3f} GB (batch {a.batch}, context {a.context})")
     print(f"floor          {f['ms_per_token']:.2f} ms/token per sequence")

@@ -1,8 +1,7 @@
 """Memory that fits: the peak a run will need, estimated before anything loads, against what is available.
 
 `check(exp, device)` runs after the engine's preflight and before any weight is allocated (harness/run/runner.py;
-run.py does it before the run starts, so a run that cannot fit is refused in one line, exit 2). The
-estimate adds up, in bytes:
+run.py does it before the run starts, so a run that cannot fit is refused in one line, exit 2). The estimate adds up:
 
 - runtime: the process as it stands (Python, torch, transformers imported; its RSS now);
 - weights: the decoder layers' matrices at the quantizer's stored bits per weight (its audit bound
@@ -19,16 +18,16 @@ estimate adds up, in bytes:
 - activations and logits (batch x prompt x widths, batch x vocabulary);
 - a tied output head's own copy where one is made (rows8 tiles; quantizer.head=int8: int8 rows + bf16 scales);
 - the accuracy pass: its logits, the float64 temporaries of a KL chunk and the exact reference's output layer,
-  and the float32 reference model, which is loaded and freed *before* the
-  run's model (so the peak is the larger of the two phases, not their sum);
+  and the float32 reference model, loaded and freed *before* the run's model (the peak: the larger phase, not a sum);
 - a GGUF's first conversion to the float32 cache (harness/models/gguf_convert.py), another phase before the
   run's model: one tensor at a time, or the whole model where transformers' newer GGUF path loads it.
 
-Available: `psutil.virtual_memory().available`, lowered to what the tightest cgroup limit still allows where
-one is set (containers, Slurm jobs, systemd units: this process's own cgroup and each one above it,
-harness/cgroup.py); on CUDA the device's free memory. A run over it raises `DoesNotFit` (an `Unsupported`:
-a sweep records the cell SKIPPED) with both numbers and a way out. The estimate is recorded as metric
-`mem_estimate_mb` beside the measured `peak_mem_mb` (docs/scaling_models.md compares them).
+Available: `psutil.virtual_memory().available`, lowered to what the tightest cgroup limit still allows where one is
+set (containers, Slurm jobs, systemd units: this process's own cgroup and each one above it, harness/cgroup.py); on
+CUDA the device's free memory. Each excludes the process itself, so the estimate less its runtime is what must fit:
+a run over it raises `DoesNotFit` (an `Unsupported`: a sweep records the cell SKIPPED) with both numbers and a way
+out. The estimate (runtime included) is metric `mem_estimate_mb`, beside the measured `peak_mem_mb`
+(docs/scaling_models.md compares them).
 """
 
 from __future__ import annotations
@@ -46,9 +45,9 @@ from harness.config import KL_CHUNK_ROWS
 from harness.errors import QuantbenchError, Unsupported
 from harness.measure import resolve_device
 from harness.measure.workloads import TEMPLATE_SLACK, context_length, parse
+from harness.models import hub
 
-# torch, transformers and gguf are imported where used: run.py's memory check runs before any model library loads
-# (tests/test_layout.py, LAZY_OK).
+# torch, transformers and gguf are imported where used: run.py's memory check runs before any model library loads.
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GGUF_BITS = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0}
@@ -145,11 +144,19 @@ def _counts_from_gguf(path: Path) -> Counts:
                   intermediate=ffn[0] if ffn else 4 * hidden, tied=shape.tied)
 
 
+def _config_dir(source: Any) -> Path | None:
+    """A local checkpoint or a hub id's snapshot in the local HF cache (as quantizers/base.py's) with a config.json."""
+    if not (spec := str(getattr(source, "name_or_path", "") or "")):  # (Path("") is the working directory)
+        return None
+    local = Path(spec) if Path(spec).is_dir() else hub.cached_snapshot(spec, "model", source.revision)  # HFModel
+    return local if local is not None and (local / "config.json").is_file() else None
+
+
 _COUNTS: dict[tuple[str, str], Counts] = {}  # per process: a sweep's cells and run.py's precheck count once
 
 
 def model_counts(source: Any) -> Counts | None:
-    """The source's counts from what describes it without weights; None when nothing does (a hub id)."""
+    """The source's counts from what describes it without weights; None when nothing does (an uncached hub id)."""
     try:
         if hasattr(source, "hf_config"):
             key = ("config", short_hash(source.identity()))
@@ -157,16 +164,14 @@ def model_counts(source: Any) -> Counts | None:
         elif source.gguf_path is not None and Path(source.gguf_path).is_file():
             key = ("gguf", str(source.gguf_path))
             make = lambda: _counts_from_gguf(Path(key[1]))  # noqa: E731
-        elif (local := Path(str(getattr(source, "name_or_path", "") or ""))).name and (local / "config.json").is_file():
+        elif (local := _config_dir(source)) is not None:
             from transformers import AutoConfig
 
             key = ("dir", str(local.resolve()))
             make = lambda: _counts_from_hf(AutoConfig.from_pretrained(key[1], trust_remote_code=False))  # noqa: E731
         else:
             return None
-        if key not in _COUNTS:
-            _COUNTS[key] = make()
-        return _COUNTS[key]
+        return _COUNTS[key] if key in _COUNTS else _COUNTS.setdefault(key, make())
     except (QuantbenchError, OSError, ValueError, KeyError, AttributeError, StopIteration):
         return None
 
@@ -241,8 +246,7 @@ def side_parts(exp: Any, positions: int) -> dict[str, float]:
     if side is None:
         return {}
     source = side[0] if side[0] is not None else exp.model
-    counts = model_counts(source)
-    if counts is None:
+    if (counts := model_counts(source)) is None:
         return {}
     q, _, fb, bits = stored(side[1], source.dtype)
     return {f"draft {k}": v for k, v in model_parts(counts, q, fb, bits, positions).items()}
@@ -261,8 +265,7 @@ def accuracy_parts(acc: Any, vocab: int, hidden: int) -> dict[str, float]:
 
 
 def transformers_estimate(exp: Any, device: str) -> Estimate | None:
-    counts = model_counts(exp.model)
-    if counts is None:
+    if (counts := model_counts(exp.model)) is None:
         return None
     q, load, fb, bits = stored(exp.quantizer, exp.model.dtype)
     batch = int(getattr(exp.strategy, "batch_size", 1) or 1)
@@ -324,8 +327,7 @@ def gguf_bytes(counts: Counts, fmt: str) -> float:
 
 def llama_cpp_estimate(exp: Any, fmt: str, converted: Path | None, n_ctx: int, n_batch: int) -> Estimate | None:
     """llama.cpp: the format's GGUF mmapped whole, its f16 KV cache of n_ctx, one batch's compute buffers."""
-    counts = model_counts(exp.model)
-    if counts is None:
+    if (counts := model_counts(exp.model)) is None:
         return None
     if converted is not None and converted.is_file():
         weights, transient = float(converted.stat().st_size), 0.0
@@ -354,22 +356,22 @@ def available_bytes(device: str) -> tuple[float, str]:
         free, _ = torch.cuda.mem_get_info()
         return float(free), "free GPU memory"
     avail, how = float(psutil.virtual_memory().available), "MemAvailable"
-    left = cgroup.memory_left()
-    if left is not None and left < avail:
+    if (left := cgroup.memory_left()) is not None and left < avail:
         avail, how = left, "cgroup limit minus usage"
     return avail, how
 
 
 def check(exp: Any, device: str) -> Estimate | None:
     """Estimate the run's peak and raise DoesNotFit when it exceeds what is available (module docstring)."""
-    estimate = getattr(exp.engine, "memory_estimate", None)
-    est = estimate(exp, device) if estimate is not None else None
-    if est is None:
+    if (est := getattr(exp.engine, "memory_estimate", lambda *_: None)(exp, device)) is None:
         return None
     avail, how = available_bytes(device)
     est.available = avail
-    if est.total > avail:
-        fits = [f"{what} (~{peak / GB:.1f} GB)" for what, peak in est.alternatives if peak < avail]
+    # what is available excludes this process already (MemAvailable, a cgroup's usage, free GPU memory): compared
+    # with the runtime too, the process counted twice and runs that fit were refused (`total` stays the reported peak)
+    own = est.parts.get("runtime", 0.0)
+    if est.total - own > avail:
+        fits = [f"{what} (~{peak / GB:.1f} GB)" for what, peak in est.alternatives if peak - own < avail]
         smaller = "a smaller model" + (" (model.arch=llama-3.2-3b or llama-3.2-1b)" if getattr(exp.model, "arch", "")
                                        else "")
         way = f"fits: {', or '.join(fits)}; or {smaller}" if fits else f"use {smaller}"
@@ -381,9 +383,7 @@ def check(exp: Any, device: str) -> Estimate | None:
 
 def metrics(est: Estimate | None) -> dict[str, float]:
     """The estimate beside the measured peak_mem_mb (MiB, like it)."""
-    if est is None:
-        return {}
-    return {"mem_estimate_mb": est.total / 2**20, "mem_available_mb": est.available / 2**20}
+    return {} if est is None else {"mem_estimate_mb": est.total / 2**20, "mem_available_mb": est.available / 2**20}
 
 
 def refusal(exp: Any) -> str | None:

@@ -192,7 +192,7 @@ def blocker(path: str, exp: Any, device: str, avail: float | None = None) -> str
     weights = est.parts["weights"] if est is not None else 0.0
     if path == "freezing" and est is not None and device.startswith("cpu"):
         # the folded constants are new tensors next to the module's own parameters: a second copy
-        need = est.total + weights
+        need = est.total - est.parts.get("runtime", 0.0) + weights  # what is available excludes this process
         have = avail if avail is not None else memory.available_bytes(device)[0]
         if need > have:
             return (f"freezing holds a prepacked copy of the weights: ~{need / GB:.1f} GB at peak but "

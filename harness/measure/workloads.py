@@ -119,7 +119,13 @@ def check(model: Any, measure: Any, strategy: Any = None, tokenizer: Any = None)
     if depth + min(limits) >= ctx:  # too long whatever the prompts
         _fits(ctx, depth, [1] * len(limits), limits, src, measure)
     if tokenizer is None:
-        tokenizer = load_tokenizer(model)
+        try:
+            tokenizer = load_tokenizer(model)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # transformers' own: a traceback from a config check
+            why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            raise QuantbenchError(f"the tokenizer of model {getattr(model, 'name', '?')} does not load ({why}), and "
+                                  f"the prompts must be measured against its context of {ctx} positions; "
+                                  "give a model with a tokenizer, or use measure.prompts=synthetic") from exc
     ids = encode_prompts(tokenizer, src.texts, measure.chat_template)
     _fits(ctx, depth, [len(x) for x in ids], limits, src, measure)
 

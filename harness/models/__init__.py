@@ -146,6 +146,8 @@ class GGUFFile(ModelSource):
                 raise QuantbenchError(f"model.path={self.path!r} is not a GGUF file (it does not start with the GGUF "
                                       "magic bytes); check the path")
         require_whole(Path(self.path), f"model.path={self.path!r}", "fetch it again")
+        if (problem := gguf_convert.tokenizer_problem(Path(self.path))):  # before any conversion, not after it
+            raise QuantbenchError(f"model.path={self.path!r} {problem}")
 
     def local_dir(self) -> Path:
         self.preflight()

@@ -11,7 +11,9 @@ The tensors are the loader's bytes exactly (tests/test_gguf_convert.py compares 
 
 Where the stream cannot vouch for that, the whole-model save of before runs (`first_conversion_bytes` gives
 either peak to the memory estimate, as a phase before the run): architectures transformers 5 loads through its newer GGUF path (`is_gguf_arch_supported`: qwen3.5,
-lfm2), and any file whose tensors do not cover every parameter of the model in its shapes.
+lfm2), and any file whose tensors do not cover every parameter of the model in its shapes. A file that leaves a
+parameter without a tensor is refused there (QuantbenchError, nothing cached): transformers would fill it with random
+values.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 
 from harness import gguf_meta
 from harness.cache import cache_root, file_key, short_hash
+from harness.errors import QuantbenchError
 
 # torch, transformers and gguf are imported where used: only a GGUF model's first load converts (tests/test_layout.py,
 # LAZY_OK).
@@ -54,6 +57,19 @@ def streams(gguf: Path) -> bool:
     return not _newer_path(arch)
 
 
+def tokenizer_problem(gguf: Path) -> str | None:
+    """Why the tokenizer cannot be built from the file's metadata (transformers raises a ValueError only at the end
+    of the conversion); None: it can, or gguf-py is not here to read the metadata (the conversion needs it anyway)."""
+    try:
+        fields = gguf_meta.read(gguf).fields  # parsed once per process: the memory estimate reads the same
+    except (ImportError, *gguf_meta.HEADER_ERRORS):  # the conversion meets it; here only the tokenizer is checked
+        return None
+    if "tokenizer.ggml.model" in fields:
+        return None
+    return ("has no tokenizer in its metadata (no tokenizer.ggml.model key), and quantbench tokenizes the prompts "
+            "with it; use a GGUF written with its vocabulary (llama.cpp's convert_hf_to_gguf.py writes one)")
+
+
 def cached_dir(gguf: Path) -> Path:
     """Where the conversion of `gguf` is cached (keyed by the file's content and the transformers that wrote it)."""
     return cache_root() / "models" / f"{gguf.stem}-{short_hash(file_key(gguf), version('transformers'))}"
@@ -79,7 +95,16 @@ def _whole_model(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                       output_loading_info=True)
+    # a parameter the file lacks is filled with fresh random values (said only in transformers' console report):
+    # cached, every later number would be another model's. A tied head has no tensor of its own.
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = sorted(k for k in info.get("missing_keys", ()) if not (tied and k == "lm_head.weight"))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise QuantbenchError(f"{gguf} lacks tensors {type(model).__name__} needs ({shown}): an incomplete or "
+                              "mis-converted file; convert or fetch it again")
     # transformers marks GGUF-loaded models as "quantized" and refuses to save them; the weights are
     # plain floats after dequantization, so drop the marker (the reload is bit-identical).
     model.hf_quantizer = None
