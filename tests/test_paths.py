@@ -58,10 +58,16 @@ def test_best_reads_the_measured_row_for_this_cpu_format_and_size(zen4, monkeypa
 
 def test_best_falls_back_when_freezing_does_not_fit_or_a_compile_would_time_out(zen4, monkeypatch):
     monkeypatch.setattr(env, "cpu_info", lambda *a, **k: ZEN3)  # Zen 3's int4 row is freezing
+    monkeypatch.setattr(memory, "runtime_bytes", lambda device: 4.0e9)  # a big process: it is not counted twice
+    est = memory.transformers_estimate(_exp("quantizer=int4"), "cpu")
+    roomy = est.total - est.parts["runtime"] + est.parts["weights"] * 1.5
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (roomy, "test"))
+    assert paths.settle(_exp("quantizer=int4"), "cpu").path == "freezing"  # MemAvailable already excludes the process
     exp = _exp("quantizer=int4")
     est = memory.transformers_estimate(exp, "cpu")
-    # room for the run, not for freezing's second copy of the weights
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (est.total + est.parts["weights"] * 0.5, "test"))
+    # room for the run, not for freezing's second copy of the weights (what is available excludes the process)
+    free = est.total - est.parts["runtime"] + est.parts["weights"] * 0.5
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "test"))
     choice = paths.settle(exp, "cpu")
     assert choice.path == "compiled" and choice.by.startswith("freezing refused (freezing holds a prepacked copy")
     assert exp.measure.compile and not exp.measure.compile_freezing
