@@ -141,7 +141,7 @@ NOT_HERE = {  # command (as extracted) -> why it cannot run on this machine; che
                     "is CI's gate step: .ci/run runs it right after this suite, and tests/test_gate_ci.py runs it on "
                     "a throwaway pair of commits (an unchanged one passes, one with more work per step fails)"),
     'python -m pytest -m "not slow and not heavy"': "is (part of) this test suite itself",
-    "make test-heavy": "is the heavy tier of this suite (tests/test_experiments_embedded.py, ~10 min), run by hand",
+    "make test-heavy": "is the heavy tier of this suite (tests/test_experiments_embedded.py, ~16 min), run by hand",
     "bash benchmarks/gpu_check.sh --bundle": "downloads CUDA wheels from a package registry; "
                                              "tests/test_gpu_check.py checks the bundle logic offline",
     "python run.py -m quantizer=bf16,fp16 hydra/launcher=slurm hydra.launcher.partition=gpu "
