@@ -47,7 +47,7 @@ from harness.measure import resolve_device
 from harness.measure.workloads import TEMPLATE_SLACK, context_length, parse
 from harness.models import hub
 
-# torch, transformers and gguf are imported where used: run.py's memory check runs before any model library loads.
+# torch, transformers, gguf: imported where used; run.py's memory check runs before any loads (tests/test_layout.py)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GGUF_BITS = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0}
